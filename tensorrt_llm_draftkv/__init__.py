@@ -1,0 +1,21 @@
+"""Draft-KV pool sizing and addressing for speculative decoding drafters.
+
+See README.md for what the package fixes and how an executor uses it.
+"""
+from .config import KvCacheConfig, LayerGroupConfig, SpeculativeDecodingMode
+from .manager import KVCacheManagerV2, KVCacheResizeError
+from .request import LlmRequest, LlmRequestState, ScheduledRequests, request_context
+from .runtime import BAD_PAGE_INDEX
+
+__all__ = [
+    "BAD_PAGE_INDEX",
+    "KVCacheManagerV2",
+    "KVCacheResizeError",
+    "KvCacheConfig",
+    "LayerGroupConfig",
+    "LlmRequest",
+    "LlmRequestState",
+    "ScheduledRequests",
+    "SpeculativeDecodingMode",
+    "request_context",
+]

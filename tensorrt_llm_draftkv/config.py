@@ -1,0 +1,136 @@
+"""Speculative-decoding modes and the geometry of a paged KV pool."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SpeculativeDecodingMode(enum.Enum):
+    """Which drafter runs beside the target (names as upstream)."""
+
+    MTP = "mtp"
+    EAGLE3_ONE_MODEL = "eagle3_one_model"
+    DRAFT_TARGET_TWO_MODEL = "draft_target_two_model"
+    DRAFT_TARGET_ONE_MODEL = "draft_target_one_model"
+    PARD = "pard"
+    DFLASH = "dflash"
+    DSPARK = "dspark"
+
+    def is_external_drafter(self) -> bool:
+        """A separate draft network run inside the target's engine, with its own mirror."""
+        return self in _EXTERNAL_DRAFTERS
+
+    def keeps_trail_page(self) -> bool:
+        """DFlash-style drafters seed slots on a page boundary and so trail by < P tokens."""
+        return self in (SpeculativeDecodingMode.DFLASH, SpeculativeDecodingMode.DSPARK)
+
+    @classmethod
+    def parse(cls, text: str) -> "SpeculativeDecodingMode":
+        key = text.strip().lower().replace("-", "_")
+        for mode in cls:
+            if mode.value == key or mode.name.lower() == key:
+                return mode
+        known = ", ".join(m.value for m in cls)
+        raise ValueError(f"unknown speculative decoding mode {text!r}; known: {known}")
+
+
+_EXTERNAL_DRAFTERS = frozenset(
+    {
+        SpeculativeDecodingMode.PARD,
+        SpeculativeDecodingMode.DFLASH,
+        SpeculativeDecodingMode.DSPARK,
+        SpeculativeDecodingMode.DRAFT_TARGET_ONE_MODEL,
+    }
+)
+
+
+@dataclass(frozen=True)
+class LayerGroupConfig:
+    """Layers that share one life cycle, and therefore one page pool.
+
+    `window` is the attention window in tokens (None = full attention);
+    `sink_blocks` leading blocks are never released by the window.
+    """
+
+    num_layers: int
+    window: int | None = None
+    sink_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"a layer group needs at least one layer, got num_layers={self.num_layers}")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"attention window must be >= 1 token, got window={self.window}")
+        if self.sink_blocks < 0:
+            raise ValueError(f"sink_blocks must be >= 0, got {self.sink_blocks}")
+
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "fp8": torch.float8_e4m3fn,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; known: {', '.join(sorted(_DTYPES))}") from None
+
+
+@dataclass(frozen=True)
+class KvCacheConfig:
+    """Geometry of one manager's pools: one pool per layer group.
+
+    `pages_per_group[i]` is the number of pages (each `tokens_per_block` tokens of
+    every layer in group i) that pool i holds; `guard_page` adds one reserved page
+    per pool that unbacked block-table entries resolve to in the "cpp" export.
+    """
+
+    layer_groups: tuple[LayerGroupConfig, ...]
+    pages_per_group: tuple[int, ...]
+    tokens_per_block: int = 32
+    num_kv_heads: int = 1
+    head_dim: int = 8
+    dtype: torch.dtype = torch.float32
+    kv_factor: int = 2
+    device: str = "cpu"
+    guard_page: bool = False
+    max_seq_len: int = 1 << 20
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_block < 1:
+            raise ValueError(f"tokens_per_block must be >= 1, got {self.tokens_per_block}")
+        if len(self.layer_groups) == 0:
+            raise ValueError("a KV cache needs at least one layer group")
+        if len(self.pages_per_group) != len(self.layer_groups):
+            raise ValueError(
+                f"pages_per_group has {len(self.pages_per_group)} entries for "
+                f"{len(self.layer_groups)} layer groups"
+            )
+        for i, pages in enumerate(self.pages_per_group):
+            if pages < 0:
+                raise ValueError(f"layer group {i}: pool size must be >= 0 pages, got {pages}")
+        for name in ("num_kv_heads", "head_dim", "kv_factor", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return tuple(g.window for g in self.layer_groups)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.tokens_per_block)

@@ -1,0 +1,54 @@
+"""The text of resize errors: what was asked, and what every live cache holds."""
+from __future__ import annotations
+
+from typing import Mapping
+
+from ..runtime import KVCache
+
+
+class KVCacheResizeError(RuntimeError):
+    """A request's cache could not be resized; the message carries the pool diagnostic."""
+
+    def __init__(self, message: str, *, request_id: int, phase: str, capacity: int, history: int | None):
+        super().__init__(message)
+        self.request_id = request_id
+        self.phase = phase
+        self.capacity = capacity
+        self.history = history
+
+
+def pool_diagnostic(
+    caches: Mapping[int, KVCache], windows: tuple[int | None, ...], free_pages: tuple[int, ...], total_pages: tuple[int, ...]
+) -> str:
+    """One line per live cache (capacity, history, logical blocks, pages held), then the pools."""
+    lines = [f"  attention windows (tokens, None = full): {list(windows)}"]
+    lines.append(
+        "  pages free per layer group: "
+        + ", ".join(f"group {g}: {free}/{total}" for g, (free, total) in enumerate(zip(free_pages, total_pages)))
+    )
+    lines.append(f"  live caches: {len(caches)}")
+    for request_id, cache in sorted(caches.items()):
+        held = [cache.num_held_pages(g) for g in range(len(cache.groups))]
+        lines.append(
+            f"    request {request_id}: capacity={cache.capacity} history={cache.history_length} "
+            f"logical_blocks={cache.num_blocks} held_pages={held}"
+        )
+    return "\n".join(lines)
+
+
+def resize_error(
+    *,
+    label: str,
+    request_id: int,
+    phase: str,
+    capacity: int,
+    history: int | None,
+    diagnostic: str,
+) -> KVCacheResizeError:
+    """`<label> <phase> resize failed for request N: could not resize to C tokens ...`."""
+    hist = "unchanged" if history is None else str(history)
+    message = (
+        f"{label} {phase} resize failed for request {request_id}: could not resize to {capacity} tokens "
+        f"(history {hist})\n{diagnostic}"
+    )
+    return KVCacheResizeError(message, request_id=request_id, phase=phase, capacity=capacity, history=history)

@@ -1,0 +1,276 @@
+"""KVCacheManagerV2: the target side. One KVCache per request over the manager's pools.
+
+Coordinates: absolute token positions. A step's cache holds `history` tokens of
+history plus the space for the step's input above it (its *headroom*).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from ..config import KvCacheConfig
+from ..request import LlmRequest, LlmRequestState, ScheduledRequests
+from ..runtime import BAD_PAGE_INDEX, KVCache, LayerGroup, LifeCycle, PagePool
+from .diagnostics import KVCacheResizeError, pool_diagnostic, resize_error
+
+
+class KVCacheManagerV2:
+    """Sizes and addresses every request's cache in one set of per-group pools."""
+
+    error_label = "KV cache"
+
+    def __init__(
+        self,
+        config: KvCacheConfig,
+        *,
+        max_draft_len: int = 0,
+        num_extra_kv_tokens: int = 0,
+    ) -> None:
+        if max_draft_len < 0 or num_extra_kv_tokens < 0:
+            raise ValueError(
+                f"max_draft_len ({max_draft_len}) and num_extra_kv_tokens ({num_extra_kv_tokens}) must be >= 0"
+            )
+        self.config = config
+        self.tokens_per_block = config.tokens_per_block
+        self.max_draft_len = max_draft_len
+        self.num_extra_kv_tokens = num_extra_kv_tokens
+        widen = self._window_widening_tokens()
+        self.layer_groups: list[LayerGroup] = [
+            LayerGroup(
+                LifeCycle(g.window, g.sink_blocks).widened(widen),
+                PagePool(
+                    pages,
+                    tokens_per_block=config.tokens_per_block,
+                    num_layers=g.num_layers,
+                    kv_factor=config.kv_factor,
+                    num_kv_heads=config.num_kv_heads,
+                    head_dim=config.head_dim,
+                    dtype=config.dtype,
+                    device=config.device,
+                    guard_page=config.guard_page,
+                ),
+            )
+            for g, pages in zip(config.layer_groups, config.pages_per_group)
+        ]
+        self._caches: dict[int, KVCache] = {}
+
+    # -- hooks a subclass may change ----------------------------------------------
+    def _window_widening_tokens(self) -> int:
+        """Tokens every window of this manager's life cycles keeps beyond the model's window."""
+        return 0
+
+    @property
+    def generation_headroom(self) -> int:
+        """Tokens a generation step puts above history: the new token, drafts, extra."""
+        return 1 + self.max_draft_len + self.num_extra_kv_tokens
+
+    def context_headroom(self, chunk: int, is_last_chunk: bool) -> int:
+        """Tokens a context chunk puts above its start: the chunk, and drafts on the last chunk."""
+        return chunk + ((self.max_draft_len + self.num_extra_kv_tokens) if is_last_chunk else 0)
+
+    def _context_sizing(self, req: LlmRequest, cache: KVCache) -> tuple[int, int | None]:
+        """(capacity, history) for the request's current context chunk (target view)."""
+        start = req.context_current_position
+        return start + self.context_headroom(req.context_chunk_size, req.is_last_context_chunk), None
+
+    def _generation_sizing(self, req: LlmRequest, cache: KVCache) -> tuple[int, int | None]:
+        history = req.max_beam_num_tokens - 1
+        return history + self.generation_headroom, None
+
+    def _resize_error(self, req_id: int, phase: str, capacity: int, history: int | None) -> KVCacheResizeError:
+        return resize_error(
+            label=self.error_label,
+            request_id=req_id,
+            phase=phase,
+            capacity=capacity,
+            history=history,
+            diagnostic=self.pool_diagnostic(),
+        )
+
+    # -- queries ----------------------------------------------------------------
+    @property
+    def num_pools(self) -> int:
+        return len(self.layer_groups)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return tuple(g.life_cycle.window for g in self.layer_groups)
+
+    def pools(self) -> list[PagePool]:
+        return [g.pool for g in self.layer_groups]
+
+    def free_pages(self) -> tuple[int, ...]:
+        return tuple(g.pool.num_free for g in self.layer_groups)
+
+    def request_ids(self) -> list[int]:
+        return sorted(self._caches)
+
+    def has_cache(self, request_id: int) -> bool:
+        return request_id in self._caches
+
+    def get_cache(self, request_id: int) -> KVCache:
+        try:
+            return self._caches[request_id]
+        except KeyError:
+            raise KeyError(
+                f"{self.error_label}: request {request_id} has no cache here "
+                f"(live requests: {self.request_ids()[:16]})"
+            ) from None
+
+    def pool_diagnostic(self) -> str:
+        return pool_diagnostic(
+            self._caches, self.windows, self.free_pages(), tuple(g.pool.total for g in self.layer_groups)
+        )
+
+    # -- resizing -----------------------------------------------------------------
+    def _new_cache(self, request_id: int) -> KVCache:
+        return KVCache(self.layer_groups, self.tokens_per_block, name=f"{self.error_label} request {request_id}")
+
+    def _resize_or_raise(
+        self, req: LlmRequest, phase: str, sizing
+    ) -> None:
+        """Resize (creating the cache if needed) or raise, leaving nothing behind."""
+        fresh = req.py_request_id not in self._caches
+        cache = self._caches[req.py_request_id] if not fresh else self._new_cache(req.py_request_id)
+        capacity, history = sizing(req, cache)
+        if fresh:
+            self._caches[req.py_request_id] = cache
+        try:
+            ok = cache.resize(capacity, history)
+        except ValueError:
+            if fresh:
+                del self._caches[req.py_request_id]
+            raise
+        if not ok:
+            if fresh:
+                # A fresh cache that got nothing is dropped: no silent half-admitted request.
+                del self._caches[req.py_request_id]
+            raise self._resize_error(req.py_request_id, phase, capacity, history)
+
+    def prepare_resources(self, batch: ScheduledRequests) -> None:
+        """Size every request's cache for this step (context chunk or generation step)."""
+        for req in batch.context_requests:
+            self._resize_or_raise(req, "context", self._context_sizing)
+        for req in batch.generation_requests:
+            self._resize_or_raise(req, "generation", self._generation_sizing)
+
+    def update_context_resources(self, batch: ScheduledRequests) -> None:
+        """After the executor advanced each context view: history follows its position."""
+        for req in batch.context_requests:
+            cache = self.get_cache(req.py_request_id)
+            position = req.context_current_position
+            if position > cache.history_length:
+                cache.resize(max(cache.capacity, position), position)
+
+    def prepare_disagg_gen_init(self, req: LlmRequest) -> None:
+        """A generation worker's new request: the prompt is history, a step of headroom above it."""
+        self._resize_or_raise(req, "generation", self._disagg_gen_init_sizing)
+
+    def _disagg_gen_init_sizing(self, req: LlmRequest, cache: KVCache) -> tuple[int, int | None]:
+        return req.prompt_len + self.generation_headroom, req.prompt_len
+
+    def update_resources(self, batch: ScheduledRequests) -> None:
+        """After a step: drop rejected draft slots; history = tokens − 1 (the last has no KV)."""
+        for req in batch.all_requests():
+            if req.num_generated < 1 or req.is_dummy:
+                continue
+            cache = self.get_cache(req.py_request_id)
+            history = req.max_beam_num_tokens - 1
+            cache.resize(max(history + 1, 0), max(history, cache.history_length))
+
+    def add_dummy_requests(
+        self,
+        request_ids: Iterable[int],
+        token_nums: Iterable[int] | None = None,
+        *,
+        is_gen: bool = True,
+        max_num_draft_tokens: int = 0,
+        history_hint: int | None = None,
+    ) -> list[LlmRequest]:
+        """CUDA-graph warmup dummies; `history_hint` lets a windowed pool back only the window."""
+        request_ids = list(request_ids)
+        token_nums = [1] * len(request_ids) if token_nums is None else list(token_nums)
+        if len(token_nums) != len(request_ids):
+            raise ValueError(f"{len(request_ids)} dummy ids but {len(token_nums)} token counts")
+        made: list[LlmRequest] = []
+        try:
+            for rid, tokens in zip(request_ids, token_nums):
+                if rid in self._caches:
+                    raise ValueError(f"{self.error_label}: dummy request {rid} already has a cache")
+                if tokens < 1:
+                    raise ValueError(f"dummy request {rid}: token count must be >= 1, got {tokens}")
+                req = LlmRequest(rid, prompt_len=tokens, is_dummy=True)
+                if is_gen:
+                    req.state = LlmRequestState.GENERATION_IN_PROGRESS
+                capacity = tokens + max_num_draft_tokens + self.num_extra_kv_tokens
+                history = None if history_hint is None else min(history_hint, capacity)
+                self._resize_or_raise(req, "dummy", lambda r, c, cap=capacity, h=history: (cap, h))
+                made.append(req)
+        except Exception:
+            for req in made:
+                self.free_resources(req)
+            raise
+        return made
+
+    def free_resources(self, req: LlmRequest | int) -> None:
+        """Return every page of the request; unknown or already freed ids raise KeyError."""
+        request_id = req if isinstance(req, int) else req.py_request_id
+        cache = self._caches.pop(request_id, None)
+        if cache is None:
+            raise KeyError(
+                f"{self.error_label}: cannot free request {request_id}: it holds no cache "
+                "(never added, or already freed)"
+            )
+        cache.free()
+
+    # -- export -----------------------------------------------------------------
+    def get_block_offsets(self, request_ids: Iterable[int], backend: str = "cpp") -> torch.Tensor:
+        """int32 `[num_pools, B, 2, max_blocks_per_seq]` block offsets, by block ordinal.
+
+        Entry `[p, b, k, i]` is `page * kv_factor + k` for the page backing ordinal i
+        of request b in pool p (K at k=0, V at k=1, in the pool's storage viewed as
+        `[pages * kv_factor, ...]`). Unbacked ordinals: `"python"` keeps -1; `"cpp"`
+        writes page 0's offset (a page some other request may own) or, when the
+        pool has a guard page, the guard page's.
+        """
+        if backend not in ("cpp", "python"):
+            raise ValueError(f"unknown block-offset backend {backend!r}; use 'cpp' or 'python'")
+        ids = list(request_ids)
+        caches = [self.get_cache(rid) for rid in ids]
+        kv = self.config.kv_factor
+        width = self.config.max_blocks_per_seq
+        out = np.full((self.num_pools, len(ids), 2, width), BAD_PAGE_INDEX, dtype=np.int64)
+        for b, cache in enumerate(caches):
+            for p in range(self.num_pools):
+                row = np.asarray(cache._rows[p], dtype=np.int64)
+                if row.size > width:
+                    raise ValueError(
+                        f"request {ids[b]} spans {row.size} blocks, more than max_blocks_per_seq={width}"
+                    )
+                out[p, b, 0, : row.size] = np.where(row >= 0, row * kv, BAD_PAGE_INDEX)
+                out[p, b, 1, : row.size] = np.where(row >= 0, row * kv + 1, BAD_PAGE_INDEX)
+        if backend == "cpp":
+            for p, group in enumerate(self.layer_groups):
+                guard = group.pool.guard_page_index
+                fill = 0 if guard is None else guard * kv
+                sub = out[p]
+                sub[:, 0][sub[:, 0] < 0] = fill
+                sub[:, 1][sub[:, 1] < 0] = fill + 1
+        return torch.from_numpy(out.astype(np.int32))
+
+    def check_accounting(self) -> None:
+        """Every pool balances and no page is held by two caches."""
+        for p, group in enumerate(self.layer_groups):
+            group.pool.check_accounting()
+            owners: dict[int, int] = {}
+            for rid, cache in self._caches.items():
+                for page in cache.held_pages(p):
+                    if page in owners:
+                        raise AssertionError(f"pool {p}: page {page} held by requests {owners[page]} and {rid}")
+                    owners[page] = rid
+            if len(owners) != group.pool.num_held:
+                raise AssertionError(
+                    f"pool {p}: caches hold {len(owners)} pages but the pool counts {group.pool.num_held} held"
+                )

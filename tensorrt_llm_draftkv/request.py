@@ -1,0 +1,162 @@
+"""The request model the managers read: states, the two context views, batches.
+
+A request carries two (position, chunk) views of its prompt: the target view,
+advanced by the executor chunk by chunk, and the draft view, advanced only by a
+separate draft engine. `use_draft_model` selects which one the context
+properties read; `request_context(is_draft=True, batch)` flips it for a batch.
+All positions are absolute token positions.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+from dataclasses import dataclass, field
+from typing import Iterator
+
+
+class LlmRequestState(enum.Enum):
+    CONTEXT_INIT = "context_init"
+    GENERATION_IN_PROGRESS = "generation_in_progress"
+    GENERATION_COMPLETE = "generation_complete"
+    DISAGG_GENERATION_INIT = "disagg_generation_init"
+    DISAGG_GENERATION_TRANS_COMPLETE = "disagg_generation_trans_complete"
+
+
+@dataclass
+class ContextView:
+    """Where a prefill stands: the next chunk is `[position, position + chunk_size)`."""
+
+    position: int = 0
+    chunk_size: int = 0
+
+
+@dataclass
+class LlmRequest:
+    """One request. `tokens` holds prompt then generated tokens (ids or placeholders)."""
+
+    py_request_id: int
+    prompt_len: int
+    tokens: list[int] = field(default_factory=list)
+    state: LlmRequestState = LlmRequestState.CONTEXT_INIT
+    target_view: ContextView = field(default_factory=ContextView)
+    draft_view: ContextView | None = None
+    use_draft_model: bool = False
+    py_draft_tokens: list[int] = field(default_factory=list)
+    py_num_accepted_draft_tokens: int = 0
+    is_dummy: bool = False
+    max_new_tokens: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 0:
+            raise ValueError(f"request {self.py_request_id}: prompt_len must be >= 0, got {self.prompt_len}")
+        if not self.tokens:
+            self.tokens = [0] * self.prompt_len
+        elif len(self.tokens) < self.prompt_len:
+            raise ValueError(
+                f"request {self.py_request_id}: {len(self.tokens)} tokens for a {self.prompt_len}-token prompt"
+            )
+        if self.target_view.chunk_size == 0 and self.state == LlmRequestState.CONTEXT_INIT:
+            self.target_view = ContextView(0, self.prompt_len)
+        if self.draft_view is None:
+            # Only a separate draft engine advances this view; a one-engine drafter
+            # leaves it at position 0 with the whole prompt as one chunk.
+            self.draft_view = ContextView(0, self.prompt_len)
+
+    # -- the active view ------------------------------------------------------------
+    @property
+    def _view(self) -> ContextView:
+        assert self.draft_view is not None
+        return self.draft_view if self.use_draft_model else self.target_view
+
+    @property
+    def context_current_position(self) -> int:
+        return self._view.position
+
+    @context_current_position.setter
+    def context_current_position(self, value: int) -> None:
+        self._view.position = value
+
+    @property
+    def context_chunk_size(self) -> int:
+        return self._view.chunk_size
+
+    @context_chunk_size.setter
+    def context_chunk_size(self, value: int) -> None:
+        self._view.chunk_size = value
+
+    @property
+    def is_first_context_chunk(self) -> bool:
+        return self.context_current_position == 0
+
+    @property
+    def is_last_context_chunk(self) -> bool:
+        return self.context_current_position + self.context_chunk_size >= self.prompt_len
+
+    @property
+    def is_context_init_state(self) -> bool:
+        return self.state == LlmRequestState.CONTEXT_INIT
+
+    @property
+    def is_disagg_generation_init_state(self) -> bool:
+        return self.state == LlmRequestState.DISAGG_GENERATION_INIT
+
+    @property
+    def is_generation_in_progress_state(self) -> bool:
+        return self.state == LlmRequestState.GENERATION_IN_PROGRESS
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state == LlmRequestState.GENERATION_COMPLETE
+
+    # -- token bookkeeping --------------------------------------------------------
+    @property
+    def max_beam_num_tokens(self) -> int:
+        """Tokens the request holds (prompt + generated); the last has no KV yet."""
+        return len(self.tokens)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.py_draft_tokens)
+
+    def advance_context_chunk(self, next_chunk: int | None = None) -> None:
+        """Move the active view past its current chunk and set the next chunk's size."""
+        view = self._view
+        view.position += view.chunk_size
+        remaining = self.prompt_len - view.position
+        view.chunk_size = remaining if next_chunk is None else min(next_chunk, remaining)
+
+    def sync_draft_view(self) -> None:
+        """A drafter that runs with the target (MTP, Eagle3) keeps its view in step."""
+        self.draft_view = ContextView(self.target_view.position, self.target_view.chunk_size)
+
+
+@dataclass
+class ScheduledRequests:
+    """One executor step's batch."""
+
+    context_requests: list[LlmRequest] = field(default_factory=list)
+    generation_requests: list[LlmRequest] = field(default_factory=list)
+
+    def all_requests(self) -> list[LlmRequest]:
+        return [*self.context_requests, *self.generation_requests]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.context_requests) + len(self.generation_requests)
+
+
+@contextlib.contextmanager
+def request_context(is_draft: bool, batch: ScheduledRequests) -> Iterator[ScheduledRequests]:
+    """Within the block, every request of `batch` reads its draft view if `is_draft`."""
+    saved = [(req, req.use_draft_model) for req in batch.all_requests()]
+    try:
+        for req, _ in saved:
+            req.use_draft_model = is_draft
+        yield batch
+    finally:
+        for req, flag in saved:
+            req.use_draft_model = flag

@@ -1,0 +1,150 @@
+"""One request's paged cache over every layer group of a manager.
+
+Coordinates: capacity, history and committed are token counts from absolute
+position 0; block tables map block ordinals to physical pages of each group's
+pool, with BAD_PAGE_INDEX where nothing backs the ordinal.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .life_cycle import LifeCycle
+from .page_pool import BAD_PAGE_INDEX, PagePool
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """A life cycle and the pool whose pages back it."""
+
+    life_cycle: LifeCycle
+    pool: PagePool
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCache:
+    """capacity / history / committed with real pages, resized all-or-nothing."""
+
+    def __init__(self, groups: list[LayerGroup], tokens_per_block: int, name: str = "") -> None:
+        if tokens_per_block < 1:
+            raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+        self.groups = groups
+        self.tokens_per_block = tokens_per_block
+        self.name = name
+        self.capacity = 0
+        self.history_length = 0
+        self.committed = 0
+        self._rows: list[list[int]] = [[] for _ in groups]
+        # Per group: ordinals below this never change again (released or sinks),
+        # so a resize only walks the rest of the row.
+        self._settled: list[int] = [0 for _ in groups]
+        self.closed = False
+
+    # -- queries ----------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        """Logical blocks covering `capacity` tokens (backed or not)."""
+        return _ceil_div(self.capacity, self.tokens_per_block)
+
+    def block_row(self, group: int) -> list[int]:
+        """Ordinal -> page for one layer group, BAD_PAGE_INDEX where unbacked (a copy)."""
+        return list(self._rows[group])
+
+    def held_pages(self, group: int) -> list[int]:
+        return [p for p in self._rows[group] if p != BAD_PAGE_INDEX]
+
+    def num_held_pages(self, group: int | None = None) -> int:
+        if group is not None:
+            return len(self.held_pages(group))
+        return sum(len(self.held_pages(g)) for g in range(len(self.groups)))
+
+    # -- the one mutator ----------------------------------------------------------
+    def resize(self, capacity: int | None, history_length: int | None = None) -> bool:
+        """Make the cache hold `capacity` tokens with `history_length` of them history.
+
+        Either argument may be None (unchanged). History never decreases and never
+        exceeds capacity (ValueError). Raising history releases the blocks that
+        enter a group's stale range; growth backs only ordinals outside it. If a
+        pool lacks the pages, returns False and nothing changes.
+        """
+        if self.closed:
+            raise ValueError(f"cache {self.name!r} was freed; it cannot be resized")
+        new_capacity = self.capacity if capacity is None else capacity
+        new_history = self.history_length if history_length is None else history_length
+        if new_capacity < 0:
+            raise ValueError(f"cache {self.name!r}: capacity must be >= 0 tokens, got {new_capacity}")
+        if new_history < self.history_length:
+            raise ValueError(
+                f"cache {self.name!r}: history length never decreases "
+                f"(is {self.history_length}, asked {new_history})"
+            )
+        if new_capacity < new_history:
+            raise ValueError(
+                f"cache {self.name!r}: capacity {new_capacity} is below history length {new_history}"
+            )
+        plans = [self._plan_group(g, new_capacity, new_history) for g in range(len(self.groups))]
+        for g, (row, release, allocate, settled) in enumerate(plans):
+            pool = self.groups[g].pool
+            if len(allocate) > pool.num_free + len(release):
+                return False
+        for g, (row, release, allocate, settled) in enumerate(plans):
+            pool = self.groups[g].pool
+            pool.release(release)
+            for ordinal, page in zip(allocate, pool.allocate(len(allocate))):
+                row[ordinal] = page
+            self._rows[g] = row
+            self._settled[g] = settled
+        self.capacity = new_capacity
+        self.history_length = new_history
+        return True
+
+    def _plan_group(self, g: int, capacity: int, history: int) -> tuple[list[int], list[int], list[int], int]:
+        """New row (allocations still BAD), pages to release, ordinals to allocate, new settled mark."""
+        old = self._rows[g]
+        num_blocks = _ceil_div(capacity, self.tokens_per_block)
+        lo, hi = self.groups[g].life_cycle.stale_range(history, self.tokens_per_block)
+        # Stale ranges only grow with history and capacity never drops below
+        # history, so everything below the previous stale end is final.
+        start = min(self._settled[g], len(old), num_blocks)
+        row: list[int] = old[:start]
+        release: list[int] = []
+        allocate: list[int] = []
+        for ordinal in range(start, max(num_blocks, len(old))):
+            page = old[ordinal] if ordinal < len(old) else BAD_PAGE_INDEX
+            keep = ordinal < num_blocks and not (lo <= ordinal < hi)
+            if not keep:
+                if page != BAD_PAGE_INDEX:
+                    release.append(page)
+                if ordinal < num_blocks:
+                    row.append(BAD_PAGE_INDEX)
+                continue
+            row.append(page)
+            if page == BAD_PAGE_INDEX:
+                allocate.append(ordinal)
+        return row, release, allocate, max(hi, start) if hi > lo else start
+
+    def commit(self, tokens: int) -> None:
+        """Publish `tokens` for prefix reuse; committed <= history."""
+        if not self.committed <= tokens <= self.history_length:
+            raise ValueError(
+                f"cache {self.name!r}: committed must stay in [{self.committed}, {self.history_length}], "
+                f"got {tokens}"
+            )
+        self.committed = tokens
+
+    def free(self) -> None:
+        """Return every page; the cache cannot be used afterwards."""
+        if self.closed:
+            raise ValueError(f"cache {self.name!r} was already freed")
+        for g, row in enumerate(self._rows):
+            self.groups[g].pool.release([p for p in row if p != BAD_PAGE_INDEX])
+            self._rows[g] = []
+            self._settled[g] = 0
+        self.capacity = self.history_length = self.committed = 0
+        self.closed = True
+
+    def snapshot(self) -> tuple:
+        """Everything that defines this cache, for bit-identity checks."""
+        return (self.capacity, self.history_length, self.committed, tuple(tuple(r) for r in self._rows))
