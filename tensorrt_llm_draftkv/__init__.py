@@ -3,13 +3,15 @@
 See README.md for what the package fixes and how an executor uses it.
 """
 from .config import KvCacheConfig, LayerGroupConfig, SpeculativeDecodingMode
-from .manager import KVCacheManagerV2, KVCacheResizeError
+from .manager import DraftKVCacheManagerV2, KVCacheManagerV2, KVCacheResizeError, MirrorSizing
 from .request import LlmRequest, LlmRequestState, ScheduledRequests, request_context
 from .runtime import BAD_PAGE_INDEX
 
 __all__ = [
     "BAD_PAGE_INDEX",
+    "DraftKVCacheManagerV2",
     "KVCacheManagerV2",
+    "MirrorSizing",
     "KVCacheResizeError",
     "KvCacheConfig",
     "LayerGroupConfig",

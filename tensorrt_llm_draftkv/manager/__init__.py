@@ -1,5 +1,7 @@
 """Policy over the runtime: the target manager, the draft manager, sizing rules, estimators."""
 from .diagnostics import KVCacheResizeError
+from .draft_kv_cache_manager import DraftKVCacheManagerV2
 from .kv_cache_manager import KVCacheManagerV2
+from .mirror_sizing import MirrorPolicy, MirrorSizing
 
-__all__ = ["KVCacheManagerV2", "KVCacheResizeError"]
+__all__ = ["DraftKVCacheManagerV2", "KVCacheManagerV2", "KVCacheResizeError", "MirrorPolicy", "MirrorSizing"]

@@ -145,3 +145,66 @@ def max_concurrency(pool_pages: int, pages_per_request: int) -> int:
         raise ValueError(f"pool_pages must be >= 0, got {pool_pages}")
     _check_positive(pages_per_request=pages_per_request)
     return pool_pages // pages_per_request
+
+
+@dataclass(frozen=True)
+class AffineCost:
+    """Bytes a pool needs: `per_token` for every token slot plus `per_request` for each request.
+
+    The draft pool of a DFlash/DSpark drafter has a per-request intercept: the
+    trail page of every windowed group.
+    """
+
+    per_token: int
+    per_request: int = 0
+
+    def bytes_for(self, max_tokens: int, max_num_requests: int) -> int:
+        if max_tokens < 0 or max_num_requests < 0:
+            raise ValueError(f"max_tokens ({max_tokens}) and max_num_requests ({max_num_requests}) must be >= 0")
+        return self.per_token * max_tokens + self.per_request * max_num_requests
+
+    def max_tokens_for(self, quota_bytes: int, max_num_requests: int) -> int:
+        """Token slots a quota buys once every request's intercept is paid."""
+        spare = quota_bytes - self.per_request * max_num_requests
+        if spare < 0:
+            raise ValueError(
+                f"a quota of {quota_bytes} bytes does not cover the per-request cost "
+                f"({self.per_request} bytes x {max_num_requests} requests)"
+            )
+        return spare // self.per_token
+
+
+def trail_cost(page_bytes_per_windowed_group: list[int]) -> int:
+    """Bytes of trail pages per request: one page in every windowed group."""
+    return sum(page_bytes_per_windowed_group)
+
+
+@dataclass(frozen=True)
+class BudgetSplit:
+    target_bytes: int
+    draft_bytes: int
+    max_tokens: int
+
+
+def split_budget(total_bytes: int, target: AffineCost, draft: AffineCost, max_num_requests: int) -> BudgetSplit:
+    """Share `total_bytes` so both pools hold the same number of token slots.
+
+    Solves `target(T) + draft(T) <= total` for the largest T; each pool gets
+    exactly what T costs it, and the remainder (less than one token's worth)
+    stays unassigned.
+    """
+    intercept = (target.per_request + draft.per_request) * max_num_requests
+    slope = target.per_token + draft.per_token
+    if slope < 1:
+        raise ValueError(f"per-token costs must add to >= 1 byte, got {slope}")
+    if total_bytes < intercept:
+        raise ValueError(
+            f"a budget of {total_bytes} bytes does not cover the per-request costs of "
+            f"{max_num_requests} requests ({intercept} bytes)"
+        )
+    tokens = (total_bytes - intercept) // slope
+    return BudgetSplit(
+        target_bytes=target.bytes_for(tokens, max_num_requests),
+        draft_bytes=draft.bytes_for(tokens, max_num_requests),
+        max_tokens=tokens,
+    )

@@ -70,10 +70,14 @@ class KVCacheManagerV2:
         """Tokens a context chunk puts above its start: the chunk, and drafts on the last chunk."""
         return chunk + ((self.max_draft_len + self.num_extra_kv_tokens) if is_last_chunk else 0)
 
+    # The target cache always follows the target view, whatever use_draft_model says.
+    _mirror_uses_draft_view = False
+
     def _context_sizing(self, req: LlmRequest, cache: KVCache) -> tuple[int, int | None]:
         """(capacity, history) for the request's current context chunk (target view)."""
-        start = req.context_current_position
-        return start + self.context_headroom(req.context_chunk_size, req.is_last_context_chunk), None
+        view = req.target_view
+        is_last = view.position + view.chunk_size >= req.prompt_len
+        return view.position + self.context_headroom(view.chunk_size, is_last), None
 
     def _generation_sizing(self, req: LlmRequest, cache: KVCache) -> tuple[int, int | None]:
         history = req.max_beam_num_tokens - 1
@@ -160,7 +164,7 @@ class KVCacheManagerV2:
         """After the executor advanced each context view: history follows its position."""
         for req in batch.context_requests:
             cache = self.get_cache(req.py_request_id)
-            position = req.context_current_position
+            position = req.target_view.position
             if position > cache.history_length:
                 cache.resize(max(cache.capacity, position), position)
 

@@ -69,6 +69,22 @@ class KVCache:
         enter a group's stale range; growth backs only ordinals outside it. If a
         pool lacks the pages, returns False and nothing changes.
         """
+        new_capacity, new_history = self._validated(capacity, history_length)
+        plans = [self._plan_group(g, new_capacity, new_history) for g in range(len(self.groups))]
+        if not self._fits(plans):
+            return False
+        for g, (row, release, allocate, settled) in enumerate(plans):
+            pool = self.groups[g].pool
+            pool.release(release)
+            for ordinal, page in zip(allocate, pool.allocate(len(allocate))):
+                row[ordinal] = page
+            self._rows[g] = row
+            self._settled[g] = settled
+        self.capacity = new_capacity
+        self.history_length = new_history
+        return True
+
+    def _validated(self, capacity: int | None, history_length: int | None) -> tuple[int, int]:
         if self.closed:
             raise ValueError(f"cache {self.name!r} was freed; it cannot be resized")
         new_capacity = self.capacity if capacity is None else capacity
@@ -84,21 +100,18 @@ class KVCache:
             raise ValueError(
                 f"cache {self.name!r}: capacity {new_capacity} is below history length {new_history}"
             )
-        plans = [self._plan_group(g, new_capacity, new_history) for g in range(len(self.groups))]
-        for g, (row, release, allocate, settled) in enumerate(plans):
-            pool = self.groups[g].pool
-            if len(allocate) > pool.num_free + len(release):
-                return False
-        for g, (row, release, allocate, settled) in enumerate(plans):
-            pool = self.groups[g].pool
-            pool.release(release)
-            for ordinal, page in zip(allocate, pool.allocate(len(allocate))):
-                row[ordinal] = page
-            self._rows[g] = row
-            self._settled[g] = settled
-        self.capacity = new_capacity
-        self.history_length = new_history
-        return True
+        return new_capacity, new_history
+
+    def can_resize(self, capacity: int | None, history_length: int | None = None) -> bool:
+        """Would `resize(capacity, history_length)` succeed? Changes nothing; raises as resize would."""
+        new_capacity, new_history = self._validated(capacity, history_length)
+        return self._fits([self._plan_group(g, new_capacity, new_history) for g in range(len(self.groups))])
+
+    def _fits(self, plans) -> bool:
+        return all(
+            len(allocate) <= self.groups[g].pool.num_free + len(release)
+            for g, (_, release, allocate, _) in enumerate(plans)
+        )
 
     def _plan_group(self, g: int, capacity: int, history: int) -> tuple[list[int], list[int], list[int], int]:
         """New row (allocations still BAD), pages to release, ordinals to allocate, new settled mark."""

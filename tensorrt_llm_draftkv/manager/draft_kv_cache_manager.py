@@ -1,0 +1,153 @@
+"""DraftKVCacheManagerV2: the separate draft pool and its per-request mirrors.
+
+The target manager sizes a request's cache from the request; this subclass
+sizes the request's *mirror* in the draft pool, choosing the view and the
+history through the pure rules in `mirror_sizing`. Coordinates: absolute
+token positions, like the target cache.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from ..config import KvCacheConfig, SpeculativeDecodingMode
+from ..request import ContextView, LlmRequest, ScheduledRequests
+from ..runtime import KVCache
+from . import mirror_sizing as rules
+from .diagnostics import KVCacheResizeError, resize_error
+from .kv_cache_manager import KVCacheManagerV2
+
+
+class DraftKVCacheManagerV2(KVCacheManagerV2):
+    """Draft mirrors for one speculative mode, sized by the `history` or `legacy` rules."""
+
+    error_label = "Draft KV cache"
+
+    def __init__(
+        self,
+        config: KvCacheConfig,
+        *,
+        spec_mode: SpeculativeDecodingMode,
+        max_draft_len: int = 0,
+        num_extra_kv_tokens: int = 0,
+        joint_kv_cache_reuse: bool = False,
+        sizing: str | rules.MirrorSizing = rules.MirrorSizing.HISTORY,
+        trail_page: bool = True,
+        is_draft: bool = True,
+    ) -> None:
+        self.is_draft = is_draft
+        self.spec_mode = spec_mode
+        self.policy = rules.MirrorPolicy(spec_mode, rules.MirrorSizing.parse(sizing), joint_kv_cache_reuse)
+        self._trail_page = trail_page
+        self._config_for_trail = config
+        super().__init__(config, max_draft_len=max_draft_len, num_extra_kv_tokens=num_extra_kv_tokens)
+
+    # -- policy answers ---------------------------------------------------------
+    @property
+    def sizing(self) -> rules.MirrorSizing:
+        return self.policy.sizing
+
+    @property
+    def joint_kv_cache_reuse(self) -> bool:
+        return self.policy.joint_kv_cache_reuse
+
+    @property
+    def _mirror_uses_draft_view(self) -> bool:
+        """False only for the draft manager of an external drafter (it reads the target view)."""
+        return self.is_draft and rules.mirror_uses_draft_view(self.policy)
+
+    @property
+    def _draft_slot_trail_tokens(self) -> int:
+        config = self._config_for_trail
+        return rules.draft_slot_trail_tokens(
+            self.policy,
+            tokens_per_block=config.tokens_per_block,
+            any_windowed_group=any(g.window is not None for g in config.layer_groups),
+            trail_page=self._trail_page and self.is_draft,
+        )
+
+    def _window_widening_tokens(self) -> int:
+        return self._draft_slot_trail_tokens
+
+    def _mirror_view(self, req: LlmRequest) -> ContextView:
+        assert req.draft_view is not None
+        return req.draft_view if self._mirror_uses_draft_view else req.target_view
+
+    # -- sizing -------------------------------------------------------------------
+    def _context_sizing(self, req: LlmRequest, cache: KVCache) -> tuple[int, int | None]:
+        view = self._mirror_view(req)
+        is_last = view.position + view.chunk_size >= req.prompt_len
+        capacity = rules.context_capacity(
+            view.position, view.chunk_size, is_last, self.max_draft_len, self.num_extra_kv_tokens
+        )
+        # Covers [0, start): it computed the earlier chunks, or joint reuse holds them.
+        covers = self.joint_kv_cache_reuse or (cache.capacity >= view.position and cache.num_blocks > 0)
+        history = rules.context_history(self.policy, start=view.position, mirror_covers_start=covers)
+        if history is not None:
+            history = max(history, cache.history_length)
+        return max(capacity, cache.history_length), history
+
+    def _disagg_gen_init_sizing(self, req: LlmRequest, cache: KVCache) -> tuple[int, int | None]:
+        return rules.disagg_gen_init_sizing(
+            self.policy,
+            prompt_len=req.prompt_len,
+            generation_headroom=self.generation_headroom,
+            draft_tokens=self.max_draft_len,
+            extra_tokens=self.num_extra_kv_tokens,
+        )
+
+    def update_context_resources(self, batch: ScheduledRequests) -> None:
+        """History follows the position of the view this mirror reads."""
+        for req in batch.context_requests:
+            cache = self.get_cache(req.py_request_id)
+            position = self._mirror_view(req).position
+            if position > cache.history_length:
+                cache.resize(max(cache.capacity, position), position)
+
+    def add_dummy_requests(
+        self,
+        request_ids: Iterable[int],
+        token_nums: Iterable[int] | None = None,
+        *,
+        is_gen: bool = True,
+        max_num_draft_tokens: int = 0,
+        history_hint: int | None = None,
+    ) -> list[LlmRequest]:
+        """Warmup dummies; the fix gives their mirrors the target's `history_hint`."""
+        return super().add_dummy_requests(
+            request_ids,
+            token_nums,
+            is_gen=is_gen,
+            max_num_draft_tokens=max_num_draft_tokens,
+            history_hint=rules.dummy_history(self.policy, history_hint),
+        )
+
+    # -- admission and errors -------------------------------------------------------
+    def admit_mirror(self, req: LlmRequest) -> bool:
+        """Could the mirror take this request's next step now? Changes nothing.
+
+        For a scheduler that would rather defer a request than fail it.
+        """
+        cache = self._caches.get(req.py_request_id) or self._new_cache(req.py_request_id)
+        if req.is_disagg_generation_init_state:
+            capacity, history = self._disagg_gen_init_sizing(req, cache)
+        elif req.is_context_init_state:
+            capacity, history = self._context_sizing(req, cache)
+        else:
+            capacity, history = self._generation_sizing(req, cache)
+        return cache.can_resize(capacity, history)
+
+    def _mirror_resize_error(
+        self, req_id: int, phase: str, capacity: int, history: int | None
+    ) -> KVCacheResizeError:
+        """The one place draft resize errors are built: what was asked, then every mirror."""
+        return resize_error(
+            label=self.error_label,
+            request_id=req_id,
+            phase=phase,
+            capacity=capacity,
+            history=history,
+            diagnostic=self.pool_diagnostic(),
+        )
+
+    def _resize_error(self, req_id: int, phase: str, capacity: int, history: int | None) -> KVCacheResizeError:
+        return self._mirror_resize_error(req_id, phase, capacity, history)
