@@ -67,8 +67,8 @@ class KVCacheManagerV2:
         return 1 + self.max_draft_len + self.num_extra_kv_tokens
 
     def context_headroom(self, chunk: int, is_last_chunk: bool) -> int:
-        """Tokens a context chunk puts above its start: the chunk, and drafts on the last chunk."""
-        return chunk + ((self.max_draft_len + self.num_extra_kv_tokens) if is_last_chunk else 0)
+        """Tokens a context chunk puts above its start: the chunk, the extra tokens, drafts on the last chunk."""
+        return chunk + self.num_extra_kv_tokens + (self.max_draft_len if is_last_chunk else 0)
 
     # The target cache always follows the target view, whatever use_draft_model says.
     _mirror_uses_draft_view = False
@@ -181,8 +181,12 @@ class KVCacheManagerV2:
             if req.num_generated < 1 or req.is_dummy:
                 continue
             cache = self.get_cache(req.py_request_id)
-            history = req.max_beam_num_tokens - 1
-            cache.resize(max(history + 1, 0), max(history, cache.history_length))
+            history = max(req.max_beam_num_tokens - 1, cache.history_length)
+            if not cache.resize(max(history + 1, 0), history):
+                # Every draft was accepted and the pool has no page for the next token's
+                # slot: still advance history (this only releases pages); the next
+                # prepare reserves the slot, or raises the explicit resize error.
+                cache.resize(max(cache.capacity, history), history)
 
     def add_dummy_requests(
         self,

@@ -49,8 +49,8 @@ def mirror_uses_draft_view(policy: MirrorPolicy) -> bool:
 
 
 def context_capacity(start: int, chunk: int, is_last_chunk: bool, draft_tokens: int, extra_tokens: int) -> int:
-    """Tokens the mirror must hold for the chunk `[start, start + chunk)`."""
-    return start + chunk + ((draft_tokens + extra_tokens) if is_last_chunk else 0)
+    """Tokens the mirror must hold for the chunk `[start, start + chunk)`: extra always, drafts on the last."""
+    return start + chunk + extra_tokens + (draft_tokens if is_last_chunk else 0)
 
 
 def context_history(policy: MirrorPolicy, *, start: int, mirror_covers_start: bool) -> int | None:

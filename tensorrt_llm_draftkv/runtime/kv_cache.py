@@ -52,6 +52,11 @@ class KVCache:
         """Ordinal -> page for one layer group, BAD_PAGE_INDEX where unbacked (a copy)."""
         return list(self._rows[group])
 
+    def block_row_slice(self, group: int, lo: int, hi: int) -> list[int]:
+        """Pages of ordinals [lo, hi) (BAD_PAGE_INDEX where unbacked or past the row)."""
+        row = self._rows[group][lo:hi]
+        return row + [BAD_PAGE_INDEX] * (hi - lo - len(row))
+
     def held_pages(self, group: int) -> list[int]:
         return [p for p in self._rows[group] if p != BAD_PAGE_INDEX]
 
@@ -73,9 +78,12 @@ class KVCache:
         plans = [self._plan_group(g, new_capacity, new_history) for g in range(len(self.groups))]
         if not self._fits(plans):
             return False
+        # Release everything first: groups may share one pool, and one group's
+        # growth may then need the pages another group gives back.
+        for g, (_, release, _, _) in enumerate(plans):
+            self.groups[g].pool.release(release)
         for g, (row, release, allocate, settled) in enumerate(plans):
             pool = self.groups[g].pool
-            pool.release(release)
             for ordinal, page in zip(allocate, pool.allocate(len(allocate))):
                 row[ordinal] = page
             self._rows[g] = row
@@ -108,10 +116,12 @@ class KVCache:
         return self._fits([self._plan_group(g, new_capacity, new_history) for g in range(len(self.groups))])
 
     def _fits(self, plans) -> bool:
-        return all(
-            len(allocate) <= self.groups[g].pool.num_free + len(release)
-            for g, (_, release, allocate, _) in enumerate(plans)
-        )
+        # Summed per pool: layer groups that share one pool draw on one free list.
+        balance: dict[int, int] = {}
+        for g, (_, release, allocate, _) in enumerate(plans):
+            pool = self.groups[g].pool
+            balance[id(pool)] = balance.get(id(pool), pool.num_free) + len(release) - len(allocate)
+        return all(left >= 0 for left in balance.values())
 
     def _plan_group(self, g: int, capacity: int, history: int) -> tuple[list[int], list[int], list[int], int]:
         """New row (allocations still BAD), pages to release, ordinals to allocate, new settled mark."""
