@@ -20,15 +20,21 @@ term ranges over — in particular at the worst one:
   every alignment only if history advances by single tokens for P consecutive
   steps after the release (a step that accepts k drafts jumps k + 1 residues and
   may skip the worst one). The sweep inserts such a run of rejected drafts.
-* context term, H = chunk + drafts + extra: only the LAST chunk carries drafts
-  (and extra), so the term is reached only by a full-size last chunk starting at
-  the worst alignment. With fixed chunks of c tokens the starts are multiples of
-  c, so the alignments reachable are those of k*c (`chunk_alignment=True`); with
-  `chunk_alignment=False` every residue is assumed reachable, which a fixed-chunk
-  schedule realises only when gcd(c, P) = 1. The sweep picks, for most
-  geometries, the prompt length that puts a full last chunk on the worst
-  reachable alignment (found by brute force over positions, not from the
-  estimator's formula).
+* context term, H = chunk + drafts + extra: every chunk carries the extra
+  tokens, only the LAST chunk the drafts (DESIGN §3), so a non-last chunk puts
+  chunk + extra above its start. With drafts the term is reached only by a
+  full-size last chunk starting at the worst alignment; without drafts any full
+  chunk at the worst alignment reaches it. With fixed chunks of c tokens the
+  starts are multiples of c, so the alignments reachable are those of k*c
+  (`chunk_alignment=True`); with `chunk_alignment=False` every residue is assumed
+  reachable, which a fixed-chunk schedule realises only when gcd(c, P) = 1. The
+  sweep picks, for most geometries, the prompt length that puts a full last
+  chunk on the worst reachable alignment (found by brute force over positions,
+  not from the estimator's formula).
+
+Besides, the context phase's peak is derived by brute force from the chunk
+schedule and the sizing rule, so equality with the estimator is asserted
+wherever ANY chunk (a non-last one included) reached the worst alignment.
 
 When the schedule provably passed the worst alignment the estimator must equal
 the measured peak (no over-charge); in every case it must be >= the peak.
@@ -153,6 +159,16 @@ def _worst_prompt(w_eff, sinks, p, c, headroom):
     return (best_k + 1) * c
 
 
+def _context_steps(prompt, c, d, e):
+    """(start, headroom) of every chunk of a fixed-chunk prefill: extra on every chunk, drafts on the last."""
+    steps = []
+    for start in range(0, prompt, c):
+        size = min(c, prompt - start)
+        last = start + size >= prompt
+        steps.append((start, size + e + (d if last else 0)))
+    return steps
+
+
 def _run_request(rnd, geometry):
     """Drive one request; return per-group peaks, the generation-phase peak, max capacity, and the trace check."""
     p, w, sinks, c, d, e, prompt, kind = (geometry[k] for k in ("p", "w", "sinks", "c", "d", "e", "prompt", "kind"))
@@ -263,7 +279,7 @@ SWEEP = _geometries(240, seed=20240601)
 @pytest.mark.parametrize("part", range(4))
 def test_estimator_sweep_never_below_and_tight(part):
     """>= 200 geometries in all (4 parts of 60): never below the peak; equal where the worst alignment was passed."""
-    checked_aligned_eq = checked_unaligned_eq = checked_gen_eq = 0
+    checked_aligned_eq = checked_unaligned_eq = checked_gen_eq = checked_non_last_eq = 0
     for geometry in SWEEP[part::4]:
         rnd = random.Random(geometry["seed"])
         peak, gen_peak, max_cap = _run_request(rnd, geometry)
@@ -286,6 +302,14 @@ def test_estimator_sweep_never_below_and_tight(part):
         checked_gen_eq += 1
         if est_aligned == gen_term:  # generation-dominated (or tied): equality for any prompt
             assert peak[0] == est_aligned, label
+        # the context phase, derived from the schedule and the sizing rule by brute force over positions;
+        # the windowed peak is the larger of it and the generation phase's (updates only release)
+        ctx_held = [held_count(s, s + hr, w_eff, sinks, p) for s, hr in _context_steps(geometry["prompt"], c, d, e)]
+        assert peak[0] == max(max(ctx_held), gen_peak), (label, ctx_held)
+        if max(ctx_held) == est_aligned:  # some chunk (last or not) reached the worst alignment
+            assert peak[0] == est_aligned, label
+            if est_aligned > gen_term and ctx_held.index(est_aligned) < len(ctx_held) - 1:
+                checked_non_last_eq += 1  # reached by a non-last chunk (chunk + extra above its start)
         if geometry["constructed"]:
             # a full last chunk started on the worst alignment reachable by multiples of c
             assert peak[0] == est_aligned, label
@@ -302,6 +326,7 @@ def test_estimator_sweep_never_below_and_tight(part):
             reached = held_count(start, start + c + d + e, w_eff, sinks, p)
             assert last < c or reached < est_aligned or start < w_eff - 1 + sinks * p, label
     assert checked_aligned_eq >= 25 and checked_unaligned_eq >= 3 and checked_gen_eq == len(SWEEP[part::4])
+    assert checked_non_last_eq >= 2  # the extra on non-last chunks is exercised where it decides the peak
 
 
 def test_sweep_is_large_and_varied():

@@ -2,7 +2,7 @@
 
 Expected rows come from a brute-force definition over positions (see
 `backed`); capacities from the sizing rules of the issue/DESIGN:
-context chunk  capacity = position + chunk (+ drafts and extra on the last chunk)
+context chunk  capacity = position + chunk + extra (+ drafts on the last chunk)
 generation     capacity = history + 1 + drafts + extra, history = tokens - 1
 disagg init    capacity = prompt + 1 + drafts + extra, history = prompt
 """
@@ -107,8 +107,8 @@ def test_context_chunks_capacity_and_history(prompt, chunk, draft, extra):
         assert cache.history_length == start
         if last:
             assert cache.capacity == start + size + draft + extra
-        elif extra == 0:
-            assert cache.capacity == start + size
+        else:  # extra on every chunk, drafts only on the last
+            assert cache.capacity == start + size + extra
         check_rows(mgr, 7)
 
     seen = run_prefill(mgr, req, chunk, check=check)
@@ -194,11 +194,13 @@ def test_update_resources_skips_unfinished_context_and_dummies():
 def test_measured_headroom_is_step_headroom():
     """Pin the headroom the estimators charge: the most tokens a step puts above history.
 
-    Expected by hand: non-last chunks put c above their start, the last chunk its own
-    size plus drafts and extra, a generation step 1 + drafts + extra. (The cases are
-    chosen so that whether non-last chunks also carry the extra tokens does not matter.)
+    Expected by hand: non-last chunks put c + extra above their start, the last chunk
+    its own size plus drafts and extra, a generation step 1 + drafts + extra. The last
+    three cases are ones where a non-last chunk's extra decides the maximum.
     """
-    for prompt, chunk, draft, extra in [(40, 8, 3, 1), (40, 1, 3, 1), (7, 16, 0, 0), (33, 5, 2, 0), (35, 5, 2, 0)]:
+    cases = [(40, 8, 3, 1), (40, 1, 3, 1), (7, 16, 0, 0), (33, 5, 2, 0), (35, 5, 2, 0),
+             (41, 8, 2, 3), (41, 8, 0, 2), (17, 4, 0, 1)]
+    for prompt, chunk, draft, extra in cases:
         mgr = make_mgr(draft=draft, extra=extra, pages=(200, 200))
         req = LlmRequest(1, prompt_len=prompt)
         worst = 0
@@ -217,11 +219,13 @@ def test_measured_headroom_is_step_headroom():
             req.tokens.append(0)
             mgr.update_resources(gen_batch(req))
         last_chunk = prompt - (-(-prompt // chunk) - 1) * chunk
-        non_last = chunk if prompt > chunk else 0
+        non_last = chunk + extra if prompt > chunk else 0
         expected = max(non_last, last_chunk + draft + extra, 1 + draft + extra)
         assert worst == expected
         assert worst <= step_headroom(chunk, draft, extra)
         if prompt % chunk == 0:  # a full last chunk reaches the charged headroom
+            assert worst == step_headroom(chunk, draft, extra)
+        if draft == 0 and prompt > chunk:  # without drafts, any non-last chunk reaches it too
             assert worst == step_headroom(chunk, draft, extra)
 
 

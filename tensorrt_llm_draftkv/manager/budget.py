@@ -29,7 +29,7 @@ def _check_positive(**values: int) -> None:
 def step_headroom(chunk: int, max_draft_len: int = 0, num_extra_kv_tokens: int = 0) -> int:
     """The most tokens any step puts above history under KVCacheManagerV2's sizing.
 
-    A context chunk puts the chunk (plus drafts and extra on the last chunk) above
+    A context chunk puts the chunk and the extra tokens (plus drafts on the last chunk) above
     its start; a generation step puts `1 + drafts + extra` above history.
     """
     if chunk < 0 or max_draft_len < 0 or num_extra_kv_tokens < 0:
