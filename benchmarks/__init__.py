@@ -1,0 +1,1 @@
+"""Benchmarks of tensorrt_llm_draftkv (run the modules with ``python -m benchmarks.<name>``)."""

@@ -1,0 +1,37 @@
+"""Triton kernels for draft-KV block tables, their torch references and dispatch.
+
+``decode_draft_block_table`` turns one pool's exported block offsets into page
+tables and extents; ``rebase_block_table`` shifts rows past their base pages;
+``prepare_paged_latent`` does a DFlash generation step's whole preparation in
+one launch. Each has a ``*_reference`` twin in plain torch; see ``api.py`` for
+the coordinates and the dispatch rules.
+"""
+from .api import (
+    HAVE_TRITON,
+    LAUNCH_COUNTS,
+    BlockTables,
+    PagedLatentPrep,
+    RebasedTables,
+    decode_draft_block_table,
+    decode_draft_block_table_reference,
+    eager_prepare_paged_latent,
+    prepare_paged_latent,
+    prepare_paged_latent_reference,
+    rebase_block_table,
+    rebase_block_table_reference,
+)
+
+__all__ = [
+    "HAVE_TRITON",
+    "LAUNCH_COUNTS",
+    "BlockTables",
+    "PagedLatentPrep",
+    "RebasedTables",
+    "decode_draft_block_table",
+    "decode_draft_block_table_reference",
+    "eager_prepare_paged_latent",
+    "prepare_paged_latent",
+    "prepare_paged_latent_reference",
+    "rebase_block_table",
+    "rebase_block_table_reference",
+]

@@ -1,0 +1,472 @@
+"""Public entry points of the draft-KV block-table kernels, with dispatch.
+
+Coordinates used throughout
+---------------------------
+* **block ordinal** ``i``: logical block index of a request's sequence, tokens
+  ``[i*P, (i+1)*P)`` with ``P = tokens_per_block``.
+* **page**: physical page index in a pool; ``-1`` marks an unbacked ordinal in
+  every table this module returns.
+* **block offsets** (input of :func:`decode_draft_block_table`): int32 or int64
+  ``[num_pools, B, 2, M]`` as exported by the KV cache manager. For pool ``p``,
+  row ``b``, ordinal ``i`` backed by page ``pg``: ``[p, b, 0, i] = pg*kv_factor``
+  (K) and ``[p, b, 1, i] = pg*kv_factor + 1`` (V). Unbacked ordinals hold ``-1``
+  (backend ``"python"``) or a real offset, usually page 0 (backend ``"cpp"``).
+* **extent** of a row: ``1 + max{i : row[i] >= 0}``, 0 for an empty row — not
+  the number of backed entries (low entries released by a window stay inside).
+* **slot positions** (DFlash drafter slots) are absolute token positions; a slot
+  ``s`` holds context at ``[base_pages[s]*P, ctx_len[s])``.
+
+Dispatch
+--------
+``impl=None`` (default): the Triton kernel on CUDA tensors; on CPU tensors the
+Triton interpreter when ``os.environ["TRITON_INTERPRET"] == "1"``, else the
+torch reference. ``impl="triton"`` forces the kernel (interpreted on CPU),
+``impl="reference"`` forces the torch reference. Every Triton launch increments
+``LAUNCH_COUNTS[name]`` (a host-side counter; under CUDA-graph capture it counts
+the captured launch once).
+
+None of the Triton paths synchronises with the host or creates data-dependent
+shapes; all outputs can be preallocated via ``out=`` so a step can be captured
+in a CUDA graph. Precondition (not checked, it would need a host sync):
+``0 <= slot_ids < len(slot_ctx_len)``. Extents are clamped to ``[0, M]`` and
+shifts to ``>= 0`` by kernels and references alike.
+"""
+from __future__ import annotations
+
+import collections
+import os
+from typing import Optional, Sequence
+
+import torch
+
+from .reference import (
+    BlockTables,
+    PagedLatentPrep,
+    RebasedTables,
+    decode_draft_block_table_reference,
+    eager_prepare_paged_latent,
+    prepare_paged_latent_reference,
+    rebase_block_table_reference,
+)
+
+try:  # the references must stay usable where Triton cannot be imported
+    from . import _triton_kernels as _tk
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    _tk = None
+    HAVE_TRITON = False
+
+#: Number of Triton launches per kernel name since import (host-side counter).
+LAUNCH_COUNTS: "collections.Counter[str]" = collections.Counter()
+
+_MAX_BLOCK = 4096
+_MIN_SPLIT_BLOCK = 512
+_TARGET_PROGRAMS = 512
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def _pick_block(rows: int, M: int, block: Optional[int], interpreted: bool) -> int:
+    """Ordinals per program. Big blocks; split long rows when the grid is small."""
+    if block is not None:
+        if block < 1 or block & (block - 1):
+            raise ValueError(f"block must be a power of two >= 1, got {block}")
+        return block
+    b = min(max(_next_pow2(M), 16), _MAX_BLOCK)
+    if not interpreted:
+        # keep enough programs in flight for small batches of long rows
+        while b > _MIN_SPLIT_BLOCK and rows * -(-M // b) < _TARGET_PROGRAMS:
+            b //= 2
+    return b
+
+
+def _num_warps(block: int) -> int:
+    return max(1, min(8, block // 256))
+
+
+def _check_impl(impl: Optional[str]) -> None:
+    if impl not in (None, "triton", "reference"):
+        raise ValueError(f"impl must be None, 'triton' or 'reference', got {impl!r}")
+
+
+def _use_triton(impl: Optional[str], device: torch.device) -> bool:
+    """Decide the implementation (see module docstring)."""
+    _check_impl(impl)
+    if impl == "reference":
+        return False
+    if impl == "triton":
+        if not HAVE_TRITON:
+            raise RuntimeError("impl='triton' requested but triton cannot be imported")
+        if device.type not in ("cuda", "cpu"):
+            raise RuntimeError(f"no Triton path for device {device}")
+        return True
+    if not HAVE_TRITON:
+        return False
+    if device.type == "cuda":
+        return True
+    if device.type == "cpu":
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return False
+
+
+def _launch(name: str, device: torch.device, grid, args: Sequence, **meta) -> None:
+    interpreted = device.type != "cuda"
+    kern = _tk.get_kernel(name, interpreted)
+    LAUNCH_COUNTS[name] += 1
+    if name == "decode_draft_block_table":
+        meta["COMPILED"] = not interpreted
+    if interpreted or device.index is None or device.index == torch.cuda.current_device():
+        kern[grid](*args, **meta)
+    else:
+        with torch.cuda.device(device):
+            kern[grid](*args, **meta)
+
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _same_device(*tensors: torch.Tensor) -> torch.device:
+    dev = tensors[0].device
+    for t in tensors[1:]:
+        if t.device != dev:
+            raise ValueError(f"all tensors must be on one device, got {dev} and {t.device}")
+    return dev
+
+
+def _check_int(name: str, t: torch.Tensor, ndim: int, shape=None) -> None:
+    # fast path first: this runs on every call of a step that may be latency-bound
+    if (
+        isinstance(t, torch.Tensor)
+        and t.dtype in _INT_DTYPES
+        and t.dim() == ndim
+        and (shape is None or t.shape == shape)
+    ):
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor")
+    if t.dtype not in _INT_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _check_out(name: str, t: torch.Tensor, shape, dtype, device) -> None:
+    if (
+        isinstance(t, torch.Tensor)
+        and t.dtype is dtype
+        and t.shape == shape
+        and t.device == device
+        and t.is_contiguous()
+    ):
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"out.{name} must be a torch.Tensor")
+    if not t.is_contiguous():
+        raise ValueError(f"out.{name} must be contiguous")
+    raise ValueError(
+        f"out.{name} must be {dtype} {tuple(shape)} on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
+    )
+
+
+def _vec(t: torch.Tensor) -> torch.Tensor:
+    # 1-D inputs are read with unit stride; a non-contiguous one is copied.
+    return t if t.is_contiguous() else t.contiguous()
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def decode_draft_block_table(
+    block_offsets: torch.Tensor,
+    pool_idx: int,
+    num_seqs: int,
+    divisor: int,
+    backend: str = "cpp",
+    out: Optional[BlockTables] = None,
+    *,
+    impl: Optional[str] = None,
+    block: Optional[int] = None,
+) -> BlockTables:
+    """Decode one pool's exported block offsets into page tables and extents.
+
+    Args:
+        block_offsets: int32 or int64 ``[num_pools, B, 2, M]`` (any strides);
+            only the K half (``[:, :, 0]``) is read.
+        pool_idx: pool (layer group) to decode, ``0 <= pool_idx < num_pools``.
+        num_seqs: rows ``0 .. num_seqs-1`` are decoded, ``num_seqs <= B``.
+        divisor: offsets per page (``kv_factor``, 2 for K+V pools), ``>= 1``.
+        backend: ``"python"`` (unbacked = -1) or ``"cpp"`` (unbacked entries
+            look like real pages, so every row counts full).
+        out: optional preallocated ``(tables, extents)`` (contiguous).
+        impl: ``None`` / ``"triton"`` / ``"reference"`` (see module docstring).
+        block: ordinals per Triton program (power of two), tuning only.
+
+    Returns:
+        ``BlockTables(tables, extents)``: ``tables`` int32 ``[num_seqs, M]``,
+        ``tables[b, i] = offsets[pool_idx, b, 0, i] // divisor`` where that
+        offset is ``>= 0``, else -1; ``extents`` int64 ``[num_seqs]``,
+        ``1 + max{i : offsets[pool_idx, b, 0, i] >= 0}`` (0 for an empty row),
+        or ``M`` for every row with backend ``"cpp"``.
+    """
+    _check_int("block_offsets", block_offsets, 4)
+    num_pools, B, two, M = block_offsets.shape
+    if two != 2:
+        raise ValueError(f"block_offsets must be [num_pools, B, 2, M], got {tuple(block_offsets.shape)}")
+    if not 0 <= pool_idx < num_pools:
+        raise IndexError(f"pool_idx {pool_idx} out of range for {num_pools} pools")
+    if not 0 <= num_seqs <= B:
+        raise ValueError(f"num_seqs {num_seqs} out of range for {B} rows")
+    divisor = int(divisor)
+    if divisor < 1:
+        raise ValueError(f"divisor must be >= 1, got {divisor}")
+    if backend not in ("cpp", "python"):
+        raise ValueError(f"backend must be 'cpp' or 'python', got {backend!r}")
+    dev = block_offsets.device
+    if out is not None:
+        _check_out("tables", out.tables, (num_seqs, M), torch.int32, dev)
+        _check_out("extents", out.extents, (num_seqs,), torch.int64, dev)
+
+    if not _use_triton(impl, dev):
+        return decode_draft_block_table_reference(block_offsets, pool_idx, num_seqs, divisor, backend, out)
+
+    if out is None:
+        out = BlockTables(
+            torch.empty((num_seqs, M), dtype=torch.int32, device=dev),
+            torch.empty((num_seqs,), dtype=torch.int64, device=dev),
+        )
+    if num_seqs == 0:
+        return BlockTables(out.tables, out.extents)
+    interpreted = dev.type != "cuda"
+    blk = _pick_block(num_seqs, M, block, interpreted)
+    k = block_offsets[pool_idx, :num_seqs, 0]  # strided view, no copy
+    grid = (num_seqs, max(1, -(-M // blk)))
+    _launch(
+        "decode_draft_block_table",
+        dev,
+        grid,
+        (k, out.tables, out.extents, M, divisor, k.stride(0), k.stride(1), out.tables.stride(0), 1),
+        FULL_ROWS=backend == "cpp",
+        BLOCK=blk,
+        num_warps=_num_warps(blk),
+    )
+    return BlockTables(out.tables, out.extents)
+
+
+# --------------------------------------------------------------------------- rebase
+
+
+def rebase_block_table(
+    tables: torch.Tensor,
+    extents: torch.Tensor,
+    base_pages: torch.Tensor,
+    out: Optional[RebasedTables] = None,
+    *,
+    impl: Optional[str] = None,
+    block: Optional[int] = None,
+) -> RebasedTables:
+    """Shift every row past its base pages.
+
+    Args:
+        tables: int32 or int64 ``[B, M]`` page tables (any strides).
+        extents: int32/int64 ``[B]`` row extents (clamped to ``[0, M]``).
+        base_pages: int32/int64 ``[B]`` base of each row, in pages (may exceed
+            the extent).
+        out: optional preallocated ``(rows, extents, shift)`` (contiguous).
+
+    Returns:
+        ``RebasedTables(rows, extents, shift)`` with ``shift[b] =
+        min(base_pages[b], extents[b])`` (int64 ``[B]``), ``rows[b, j] =
+        tables[b, shift[b] + j]`` where ``shift[b] + j < extents[b]`` (entries
+        inside keep their value, -1 included), else -1 (int32 ``[B, M]``), and
+        new ``extents[b] - shift[b]`` (int64 ``[B]``).
+    """
+    _check_int("tables", tables, 2)
+    B, M = tables.shape
+    _check_int("extents", extents, 1, (B,))
+    _check_int("base_pages", base_pages, 1, (B,))
+    dev = _same_device(tables, extents, base_pages)
+    if out is not None:
+        _check_out("rows", out.rows, (B, M), torch.int32, dev)
+        _check_out("extents", out.extents, (B,), torch.int64, dev)
+        _check_out("shift", out.shift, (B,), torch.int64, dev)
+
+    if not _use_triton(impl, dev):
+        return rebase_block_table_reference(tables, extents, base_pages, out)
+
+    if out is None:
+        out = RebasedTables(
+            torch.empty((B, M), dtype=torch.int32, device=dev),
+            torch.empty((B,), dtype=torch.int64, device=dev),
+            torch.empty((B,), dtype=torch.int64, device=dev),
+        )
+    if B == 0:
+        return RebasedTables(out.rows, out.extents, out.shift)
+    interpreted = dev.type != "cuda"
+    blk = _pick_block(B, M, block, interpreted)
+    grid = (B, max(1, -(-M // blk)))
+    _launch(
+        "rebase_block_table",
+        dev,
+        grid,
+        (
+            tables,
+            _vec(extents),
+            _vec(base_pages),
+            out.rows,
+            out.extents,
+            out.shift,
+            M,
+            tables.stride(0),
+            tables.stride(1),
+            out.rows.stride(0),
+        ),
+        BLOCK=blk,
+        num_warps=_num_warps(blk),
+    )
+    return RebasedTables(out.rows, out.extents, out.shift)
+
+
+# --------------------------------------------------------------------------- prepare
+
+
+def prepare_paged_latent(
+    tables: torch.Tensor,
+    extents: torch.Tensor,
+    slot_ids: torch.Tensor,
+    slot_ctx_len: torch.Tensor,
+    slot_base_pages: torch.Tensor,
+    num_new: torch.Tensor,
+    *,
+    block_size: int,
+    tokens_per_block: int,
+    max_ctx: int,
+    max_new: int,
+    out: Optional[PagedLatentPrep] = None,
+    impl: Optional[str] = None,
+    block: Optional[int] = None,
+) -> PagedLatentPrep:
+    """One DFlash generation step's preparation, in ONE kernel launch.
+
+    Args (``B`` rows, ``M`` ordinals per row, ``S`` slots, ``P = tokens_per_block``):
+        tables: int32/int64 ``[B, M]`` UNREBASED page tables of the rows (any strides).
+        extents: int32/int64 ``[B]`` extents of those rows.
+        slot_ids: int32/int64 ``[B]`` drafter slot of each row (rows may share one).
+        slot_ctx_len: int32/int64 ``[S]`` slot context length ``L`` (absolute positions).
+        slot_base_pages: int32/int64 ``[S]`` slot base ``b`` in pages (``L >= b*P``).
+        num_new: int32/int64 ``[B]`` accepted tokens ``n`` (``0 <= n <= max_new``)
+            stored this step at slot positions ``[L, L+n)``.
+        block_size: queries of the block decode (bonus token + mask tokens).
+        max_ctx: maximum context length (positions ``>= max_ctx`` are not stored).
+        max_new: width of the store-target outputs.
+        out: optional preallocated :class:`PagedLatentPrep` (contiguous tensors).
+
+    Per row ``b`` with ``s = slot_ids[b]``, ``L = slot_ctx_len[s]``,
+    ``base = slot_base_pages[s]``, ``n = num_new[b]``:
+
+    * ``new_ctx_len = min(L + n, max_ctx)``
+    * ``shift = min(base, extent)``; ``read_rows[b, j] = tables[b, shift + j]``
+      if ``shift + j < extent`` else -1
+    * ``read_lens = clamp(new_ctx_len - base*P, 0, (extent - shift)*P)``
+    * ``query_pos[b, j] = new_ctx_len + j`` for ``j < block_size``
+    * for ``i < max_new``: ``pos = L + i``, valid iff ``i < n`` and
+      ``0 <= pos < max_ctx``; ``store_pages[b, i] = tables[b, pos // P]`` if
+      valid and ``pos // P < M`` else -1; ``store_offsets[b, i] = pos % P`` if
+      valid else -1 (ordinals of the unrebased table).
+
+    No host synchronisation, no data-dependent shape: capturable in a CUDA graph
+    when ``out`` is preallocated.
+    """
+    _check_int("tables", tables, 2)
+    B, M = tables.shape
+    _check_int("extents", extents, 1, (B,))
+    _check_int("slot_ids", slot_ids, 1, (B,))
+    _check_int("slot_ctx_len", slot_ctx_len, 1)
+    _check_int("slot_base_pages", slot_base_pages, 1, slot_ctx_len.shape)
+    _check_int("num_new", num_new, 1, (B,))
+    dev = _same_device(tables, extents, slot_ids, slot_ctx_len, slot_base_pages, num_new)
+    block_size, tokens_per_block, max_ctx, max_new = (
+        int(block_size),
+        int(tokens_per_block),
+        int(max_ctx),
+        int(max_new),
+    )
+    if tokens_per_block < 1:
+        raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+    if block_size < 0 or max_new < 0 or max_ctx < 0:
+        raise ValueError("block_size, max_new and max_ctx must be >= 0")
+    if out is not None:
+        i32, i64 = torch.int32, torch.int64
+        _check_out("read_rows", out.read_rows, (B, M), i32, dev)
+        _check_out("read_lens", out.read_lens, (B,), i64, dev)
+        _check_out("query_pos", out.query_pos, (B, block_size), i64, dev)
+        _check_out("store_pages", out.store_pages, (B, max_new), i32, dev)
+        _check_out("store_offsets", out.store_offsets, (B, max_new), i32, dev)
+        _check_out("new_ctx_len", out.new_ctx_len, (B,), i64, dev)
+        _check_out("shift", out.shift, (B,), i64, dev)
+
+    kw = dict(block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new)
+    if not _use_triton(impl, dev):
+        return prepare_paged_latent_reference(
+            tables, extents, slot_ids, slot_ctx_len, slot_base_pages, num_new, out=out, **kw
+        )
+
+    if out is None:
+        out = PagedLatentPrep.empty(B, M, block_size, max_new, device=dev)
+    if B == 0:
+        return out
+    interpreted = dev.type != "cuda"
+    blk = _pick_block(B, M, block, interpreted)
+    grid = (B, max(1, -(-M // blk)))
+    _launch(
+        "prepare_paged_latent",
+        dev,
+        grid,
+        (
+            tables,
+            _vec(extents),
+            _vec(slot_ids),
+            _vec(slot_ctx_len),
+            _vec(slot_base_pages),
+            _vec(num_new),
+            out.read_rows,
+            out.read_lens,
+            out.query_pos,
+            out.store_pages,
+            out.store_offsets,
+            out.new_ctx_len,
+            out.shift,
+            M,
+            max_ctx,
+            block_size,
+            max_new,
+            tables.stride(0),
+            tables.stride(1),
+            out.read_rows.stride(0),
+        ),
+        P=tokens_per_block,
+        BLOCK=blk,
+        QBLOCK=_next_pow2(max(block_size, 1)),
+        NBLOCK=_next_pow2(max(max_new, 1)),
+        num_warps=_num_warps(blk),
+    )
+    return out
+
+
+__all__ = [
+    "BlockTables",
+    "HAVE_TRITON",
+    "LAUNCH_COUNTS",
+    "PagedLatentPrep",
+    "RebasedTables",
+    "decode_draft_block_table",
+    "decode_draft_block_table_reference",
+    "eager_prepare_paged_latent",
+    "prepare_paged_latent",
+    "prepare_paged_latent_reference",
+    "rebase_block_table",
+    "rebase_block_table_reference",
+]

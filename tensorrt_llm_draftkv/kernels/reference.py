@@ -1,0 +1,303 @@
+"""Plain-torch references of the draft-KV block-table kernels, and the eager baseline.
+
+Every function here is the specification its Triton counterpart in ``api.py``
+is tested against. They take and return the same tensors (see ``api.py`` for
+the full shape/dtype contract) and work on any device.
+
+``eager_prepare_paged_latent`` is different on purpose: it is an
+"upstream-style" eager implementation of the generation-step preparation, a
+chain of many small torch ops with one host round trip (``.item()``) to size
+the gather, the way an eager drafter would write it. It gives identical results
+to :func:`prepare_paged_latent_reference`; it exists as the benchmark baseline.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import NamedTuple, Optional
+
+import torch
+
+BAD_PAGE = -1  # value of an unbacked entry in every table this module returns
+
+
+class BlockTables(NamedTuple):
+    """Result of ``decode_draft_block_table``: ``(tables, extents)``."""
+
+    tables: torch.Tensor  # int32 [num_seqs, M]
+    extents: torch.Tensor  # int64 [num_seqs]
+
+
+class RebasedTables(NamedTuple):
+    """Result of ``rebase_block_table``: ``(rows, extents, shift)``."""
+
+    rows: torch.Tensor  # int32 [B, M]
+    extents: torch.Tensor  # int64 [B]
+    shift: torch.Tensor  # int64 [B]
+
+
+@dataclass
+class PagedLatentPrep:
+    """Outputs of one DFlash generation-step preparation (``B`` rows).
+
+    ====================  =====  ================  =========================================
+    field                 dtype  shape             meaning
+    ====================  =====  ================  =========================================
+    ``read_rows``         int32  [B, M]            rebased read table, -1 past the extent
+    ``read_lens``         int64  [B]               tokens the block decode reads (rebased)
+    ``query_pos``         int64  [B, block_size]   absolute positions of the block queries
+    ``store_pages``       int32  [B, max_new]      page of each accepted token, -1 = no store
+    ``store_offsets``     int32  [B, max_new]      slot inside that page, -1 = no store
+    ``new_ctx_len``       int64  [B]               slot context length after the step
+    ``shift``             int64  [B]               ordinals the read row was shifted by
+    ====================  =====  ================  =========================================
+    """
+
+    read_rows: torch.Tensor
+    read_lens: torch.Tensor
+    query_pos: torch.Tensor
+    store_pages: torch.Tensor
+    store_offsets: torch.Tensor
+    new_ctx_len: torch.Tensor
+    shift: torch.Tensor
+
+    @classmethod
+    def empty(
+        cls,
+        num_rows: int,
+        max_blocks: int,
+        block_size: int,
+        max_new: int,
+        device="cpu",
+    ) -> "PagedLatentPrep":
+        """Allocate (uninitialised) outputs, e.g. once before a CUDA-graph capture."""
+        i32, i64 = torch.int32, torch.int64
+        B = num_rows
+        return cls(
+            read_rows=torch.empty((B, max_blocks), dtype=i32, device=device),
+            read_lens=torch.empty((B,), dtype=i64, device=device),
+            query_pos=torch.empty((B, block_size), dtype=i64, device=device),
+            store_pages=torch.empty((B, max_new), dtype=i32, device=device),
+            store_offsets=torch.empty((B, max_new), dtype=i32, device=device),
+            new_ctx_len=torch.empty((B,), dtype=i64, device=device),
+            shift=torch.empty((B,), dtype=i64, device=device),
+        )
+
+    def tensors(self) -> dict:
+        """Field name -> tensor, in declaration order."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def copy_(self, other: "PagedLatentPrep") -> "PagedLatentPrep":
+        for name, t in self.tensors().items():
+            t.copy_(getattr(other, name))
+        return self
+
+
+# --------------------------------------------------------------------------- references
+
+
+def decode_draft_block_table_reference(
+    block_offsets: torch.Tensor,
+    pool_idx: int,
+    num_seqs: int,
+    divisor: int,
+    backend: str = "cpp",
+    out: Optional[BlockTables] = None,
+) -> BlockTables:
+    """Torch reference of :func:`~tensorrt_llm_draftkv.kernels.decode_draft_block_table`."""
+    k = block_offsets[pool_idx, :num_seqs, 0].to(torch.int64)  # [num_seqs, M]
+    n, M = k.shape
+    backed = k >= 0
+    tables = torch.where(backed, torch.div(k, divisor, rounding_mode="floor"), BAD_PAGE)
+    tables = tables.to(torch.int32)
+    if backend == "cpp":
+        extents = torch.full((n,), M, dtype=torch.int64, device=k.device)
+    elif M == 0:
+        extents = torch.zeros((n,), dtype=torch.int64, device=k.device)
+    else:
+        one_past = torch.arange(1, M + 1, dtype=torch.int64, device=k.device)
+        extents = torch.where(backed, one_past, 0).amax(dim=1)
+    if out is not None:
+        out.tables.copy_(tables)
+        out.extents.copy_(extents)
+        return BlockTables(out.tables, out.extents)
+    return BlockTables(tables, extents)
+
+
+def _rebase(tables: torch.Tensor, extents: torch.Tensor, base_pages: torch.Tensor):
+    """Shared by the rebase and prepare references: (rows, new_extents, shift)."""
+    B, M = tables.shape
+    dev = tables.device
+    ext = extents.to(torch.int64).clamp(0, M)
+    shift = torch.minimum(base_pages.to(torch.int64), ext).clamp_min(0)
+    src = shift[:, None] + torch.arange(M, dtype=torch.int64, device=dev)[None, :]
+    inside = src < ext[:, None]
+    gathered = tables.to(torch.int64).gather(1, torch.where(inside, src, 0)) if M else src
+    rows = torch.where(inside, gathered, BAD_PAGE).to(torch.int32)
+    return rows, ext - shift, shift
+
+
+def rebase_block_table_reference(
+    tables: torch.Tensor,
+    extents: torch.Tensor,
+    base_pages: torch.Tensor,
+    out: Optional[RebasedTables] = None,
+) -> RebasedTables:
+    """Torch reference of :func:`~tensorrt_llm_draftkv.kernels.rebase_block_table`."""
+    rows, new_ext, shift = _rebase(tables, extents, base_pages)
+    if out is not None:
+        out.rows.copy_(rows)
+        out.extents.copy_(new_ext)
+        out.shift.copy_(shift)
+        return RebasedTables(out.rows, out.extents, out.shift)
+    return RebasedTables(rows, new_ext, shift)
+
+
+def prepare_paged_latent_reference(
+    tables: torch.Tensor,
+    extents: torch.Tensor,
+    slot_ids: torch.Tensor,
+    slot_ctx_len: torch.Tensor,
+    slot_base_pages: torch.Tensor,
+    num_new: torch.Tensor,
+    *,
+    block_size: int,
+    tokens_per_block: int,
+    max_ctx: int,
+    max_new: int,
+    out: Optional[PagedLatentPrep] = None,
+) -> PagedLatentPrep:
+    """Torch reference of :func:`~tensorrt_llm_draftkv.kernels.prepare_paged_latent`."""
+    B, M = tables.shape
+    dev = tables.device
+    P = tokens_per_block
+    sid = slot_ids.to(torch.int64)
+    L = slot_ctx_len.to(torch.int64)[sid]
+    base = slot_base_pages.to(torch.int64)[sid]
+    n = num_new.to(torch.int64)
+
+    rows, rebased_ext, shift = _rebase(tables, extents, base)
+    new_ctx = torch.clamp(L + n, max=max_ctx)
+    read_lens = torch.minimum((new_ctx - base * P).clamp_min(0), rebased_ext * P)
+    query_pos = new_ctx[:, None] + torch.arange(block_size, dtype=torch.int64, device=dev)
+
+    i = torch.arange(max_new, dtype=torch.int64, device=dev)[None, :]
+    pos = L[:, None] + i
+    valid = (i < n[:, None]) & (pos < max_ctx) & (pos >= 0)
+    ordinal = torch.where(valid, pos, 0) // P
+    in_table = valid & (ordinal < M)
+    if M:
+        pages = tables.to(torch.int64).gather(1, torch.where(in_table, ordinal, 0))
+    else:
+        pages = ordinal
+    store_pages = torch.where(in_table, pages, BAD_PAGE).to(torch.int32)
+    store_offsets = torch.where(valid, pos % P, BAD_PAGE).to(torch.int32)
+
+    res = PagedLatentPrep(
+        read_rows=rows,
+        read_lens=read_lens,
+        query_pos=query_pos,
+        store_pages=store_pages,
+        store_offsets=store_offsets,
+        new_ctx_len=new_ctx,
+        shift=shift,
+    )
+    if out is not None:
+        return out.copy_(res)
+    return res
+
+
+# --------------------------------------------------------------------------- eager baseline
+
+
+def eager_prepare_paged_latent(
+    tables: torch.Tensor,
+    extents: torch.Tensor,
+    slot_ids: torch.Tensor,
+    slot_ctx_len: torch.Tensor,
+    slot_base_pages: torch.Tensor,
+    num_new: torch.Tensor,
+    *,
+    block_size: int,
+    tokens_per_block: int,
+    max_ctx: int,
+    max_new: int,
+    out: Optional[PagedLatentPrep] = None,
+) -> PagedLatentPrep:
+    """Upstream-style eager preparation: many small ops and a host round trip.
+
+    Same inputs, outputs and results as :func:`prepare_paged_latent_reference`;
+    written the way an eager drafter step is (per-slot gathers, separate
+    clamps, an ``.item()`` to size the read gather to the widest rebased row,
+    then a padded copy into the full-width table). Benchmark baseline only.
+    """
+    B, M = tables.shape
+    dev = tables.device
+    P = tokens_per_block
+
+    # per-row slot state (gathers)
+    slot_ids_l = slot_ids.long()
+    ctx_len = torch.index_select(slot_ctx_len.long(), 0, slot_ids_l)
+    base_pages = torch.index_select(slot_base_pages.long(), 0, slot_ids_l)
+    n_new = num_new.long()
+
+    # context length after storing the accepted tokens, clamped at the maximum
+    new_ctx_len = ctx_len + n_new
+    new_ctx_len = torch.clamp(new_ctx_len, max=max_ctx)
+
+    # extent of each row and how far the base shifts it
+    extent = extents.long()
+    extent = torch.clamp(extent, min=0)
+    extent = torch.clamp(extent, max=M)
+    shift = torch.minimum(base_pages, extent)
+    shift = torch.clamp(shift, min=0)
+    rebased_extent = extent - shift
+
+    # host round trip: size the gather to the widest rebased row
+    widest = int(rebased_extent.max().item()) if B > 0 else 0
+    read_rows = torch.full((B, M), BAD_PAGE, dtype=torch.int32, device=dev)
+    if widest > 0:
+        cols = torch.arange(widest, device=dev)
+        src = cols.unsqueeze(0) + shift.unsqueeze(1)
+        inside = cols.unsqueeze(0) < rebased_extent.unsqueeze(1)
+        src = torch.where(inside, src, torch.zeros_like(src))
+        gathered = torch.gather(tables, 1, src)
+        gathered = gathered.masked_fill(~inside, BAD_PAGE)
+        read_rows[:, :widest] = gathered
+
+    # read length in rebased coordinates
+    read_lens = new_ctx_len - base_pages * P
+    read_lens = torch.clamp(read_lens, min=0)
+    read_lens = torch.minimum(read_lens, rebased_extent * P)
+
+    # block decode query positions: bonus token + mask tokens
+    query_pos = new_ctx_len.unsqueeze(1) + torch.arange(block_size, device=dev).unsqueeze(0)
+
+    # store targets of the accepted tokens (unrebased ordinals)
+    steps = torch.arange(max_new, device=dev).unsqueeze(0)
+    positions = ctx_len.unsqueeze(1) + steps
+    valid = steps < n_new.unsqueeze(1)
+    valid = valid & (positions < max_ctx)
+    valid = valid & (positions >= 0)
+    ordinals = torch.div(positions, P, rounding_mode="floor")
+    in_table = valid & (ordinals < M)
+    safe = torch.where(in_table, ordinals, torch.zeros_like(ordinals))
+    if M > 0:
+        pages = torch.gather(tables, 1, safe)
+    else:
+        pages = torch.zeros_like(safe, dtype=torch.int32)
+    store_pages = pages.masked_fill(~in_table, BAD_PAGE).to(torch.int32)
+    offsets = torch.remainder(positions, P)
+    store_offsets = offsets.masked_fill(~valid, BAD_PAGE).to(torch.int32)
+
+    res = PagedLatentPrep(
+        read_rows=read_rows,
+        read_lens=read_lens,
+        query_pos=query_pos,
+        store_pages=store_pages,
+        store_offsets=store_offsets,
+        new_ctx_len=new_ctx_len,
+        shift=shift,
+    )
+    if out is not None:
+        return out.copy_(res)
+    return res
