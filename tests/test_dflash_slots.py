@@ -1,0 +1,468 @@
+"""DFlash slots: store start, bases, rebased reads, seeds, reuse, rollback, errors.
+
+Pure rules (`slot_rules`) and `DFlashSpecMetadata` on a real draft manager,
+with the toy drafter where a test needs actual pages written.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorrt_llm_draftkv import LlmRequest, LlmRequestState, ScheduledRequests
+from tensorrt_llm_draftkv.request import ContextView
+from tensorrt_llm_draftkv.speculative import (
+    DFlashSpecMetadata,
+    DraftLoop,
+    NoFreeSlotError,
+    SlotStart,
+    context_store_start,
+    generation_seed,
+    page_aligned_seed,
+    phrase_stream,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def truth(n: int, seed: int = 0) -> list[int]:
+    return phrase_stream(n, vocab_size=64, phrase_len=8, num_phrases=6, seed=seed)
+
+
+def ctx_req(rid: int, prompt: int, start: int = 0, chunk: int | None = None) -> LlmRequest:
+    req = LlmRequest(rid, prompt, tokens=truth(prompt, rid))
+    req.target_view = ContextView(start, prompt - start if chunk is None else chunk)
+    return req
+
+
+def gen_req(rid: int, tokens: int) -> LlmRequest:
+    return LlmRequest(rid, tokens - 1, tokens=truth(tokens, rid), state=LlmRequestState.GENERATION_IN_PROGRESS)
+
+
+def held(loop: DraftLoop, rid: int, group: int = 0) -> set[int]:
+    return set(loop.dm.get_cache(rid).held_pages(group))
+
+
+# --------------------------------------------------------------------------- pure rules
+@pytest.mark.parametrize(
+    "start, paired, rebased, seeding, want",
+    [
+        (0, False, True, "base", SlotStart(0, 0, 0)),
+        (0, True, True, "base", SlotStart(0, 0, 0)),
+        (96, False, True, "base", SlotStart(96, 3, 0)),  # prefix pages as base
+        (100, False, True, "base", SlotStart(100, 4, 0)),  # base rounded up past a partial page
+        (96, True, True, "base", SlotStart(96, 0, 0)),  # paired pool: target position, base 0
+        (96, True, False, "base", SlotStart(96, 0, 0)),  # ... even reading the unrebased table
+        (96, False, False, "base", SlotStart(0, 0, 96)),  # opt-out: slot-local numbering
+        (96, False, True, "slot_local", SlotStart(0, 0, 96)),  # pre-fix
+    ],
+)
+def test_context_store_start_rules(start, paired, rebased, seeding, want):
+    got = context_store_start(
+        start, tokens_per_block=32, max_ctx=1 << 20, paired_pool=paired, rebased_view=rebased, seeding=seeding
+    )
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    "p, aligned, arena, seeding, max_ctx, want",
+    [
+        (1000, True, False, "base", 1 << 20, SlotStart(992, 31, 8)),  # page-aligned, trails by 8
+        (992, True, False, "base", 1 << 20, SlotStart(992, 31, 0)),
+        (1000, False, False, "base", 1 << 20, SlotStart(1000, 32, 0)),  # position-aligned, base rounded up
+        (1024, False, False, "base", 1 << 20, SlotStart(1024, 32, 0)),
+        (1000, True, True, "base", 1 << 20, SlotStart(0, 0, 1000)),  # private arena
+        (1000, True, False, "slot_local", 1 << 20, SlotStart(0, 0, 1000)),  # pre-fix
+        (5000, True, False, "base", 4010, SlotStart(4000, 125, 1000)),  # clamped, page-aligned
+        (5000, False, False, "base", 4010, SlotStart(4010, 126, 990)),  # clamped, position-aligned
+    ],
+)
+def test_generation_seed_rules(p, aligned, arena, seeding, max_ctx, want):
+    got = generation_seed(
+        p, tokens_per_block=32, max_ctx=max_ctx, page_aligned=aligned, private_arena=arena, seeding=seeding
+    )
+    assert got == want
+    assert got.ctx_len <= max_ctx
+
+
+def test_page_aligned_seed_needs_the_trail_page_on_windowed_pools():
+    assert page_aligned_seed(windows=(None,), trail_tokens=0, tokens_per_block=32)
+    assert page_aligned_seed(windows=(256, None), trail_tokens=32, tokens_per_block=32)
+    assert not page_aligned_seed(windows=(256,), trail_tokens=0, tokens_per_block=32)
+
+
+def test_the_default_seeding_is_base_and_slot_local_is_opt_in():
+    meta = DFlashSpecMetadata(2, block_size=4, tokens_per_block=32)
+    assert meta.seeding.value == "base"
+    assert DFlashSpecMetadata._ctx_reads_rebased_view is True
+    with pytest.raises(ValueError, match="unknown DFlash seeding"):
+        DFlashSpecMetadata(2, block_size=4, tokens_per_block=32, seeding="absolute")
+
+
+# --------------------------------------------------------------------------- store start on a real pool
+def test_store_start_of_a_tail_after_an_uncomputed_prefix_uses_the_prefix_pages_as_base():
+    loop = DraftLoop.build(windows=(64,), tokens_per_block=16, pages=64)
+    req = ctx_req(1, 160, start=96, chunk=32)
+    batch = ScheduledRequests(context_requests=[req])
+    loop.dm.prepare_resources(batch)
+    loop.meta.prepare(batch, loop.dm)
+    assert loop.meta.slot_state(1) == (96, 6) and loop.meta.slot_offset(1) == 0
+    row = loop.dm.get_cache(1).block_row(0)
+    plan = loop.meta.plan_context_store(req, range(96, 128))
+    # the base for a store: target positions, onto row[s // P] -- pages the request holds
+    assert plan.positions.tolist() == list(range(96, 128))
+    assert plan.pages[0].tolist() == [row[s // 16] for s in range(96, 128)]
+    assert set(plan.pages[0].tolist()) <= held(loop, 1)
+    assert loop.meta.slot_state(1) == (128, 6)
+    prep = loop.meta.generation_prep()[0]
+    # the rebased view: row[6:], 32 tokens, shifted by the base
+    assert prep.shift.tolist() == [6]
+    assert prep.read_lens.tolist() == [32]
+    assert prep.read_rows[0, :2].tolist() == row[6:8]
+    assert prep.query_pos[0].tolist() == [128, 129, 130, 131]
+
+
+def test_a_continuation_chunk_goes_on_at_the_slot_length():
+    loop = DraftLoop.build(windows=(None,), tokens_per_block=16)
+    t = truth(200, 1)
+    loop.add_context_request(1, t, 100, chunk=40)
+    loop.step(chunks={1: 40})
+    assert loop.meta.slot_state(1) == (40, 0)
+    loop.step(chunks={1: 40})
+    assert loop.meta.slot_state(1) == (80, 0)
+    assert loop.meta.seeds == {}  # continuations are not re-placed
+    loop.checker.assert_clean()
+
+
+def test_paired_pool_stores_at_the_target_position_and_reads_from_position_0():
+    loop = DraftLoop.build(windows=(None,), tokens_per_block=16, joint_kv_cache_reuse=True)
+    req = ctx_req(1, 160, start=96, chunk=64)
+    batch = ScheduledRequests(context_requests=[req])
+    loop.dm.prepare_resources(batch)
+    loop.meta.prepare(batch, loop.dm)
+    assert loop.meta.slot_state(1) == (96, 0)
+    # the prefix's drafter K/V is in the paired pool (block reuse); simulate it
+    t = torch.tensor(req.tokens + [0])
+    pos = torch.arange(0, 96)
+    loop.drafter.write_reused_prefix(1, pos, loop.features.hidden_states(t, pos, t[pos + 1]))
+    pos = torch.arange(96, 160)
+    nxt = torch.tensor(truth(161, 1))[pos + 1]
+    loop.drafter.store_context(req, pos, loop.features.hidden_states(torch.tensor(truth(161, 1)), pos, nxt))
+    prep = loop.meta.generation_prep()[0]
+    row = loop.dm.get_cache(1).block_row(0)
+    assert prep.shift.tolist() == [0] and prep.read_lens.tolist() == [160]
+    assert prep.read_rows[0, :10].tolist() == row[:10]
+    loop.drafter.propose()
+    loop.checker.assert_clean()
+    assert loop.checker.reads > 160
+
+
+@pytest.mark.parametrize("joint", [False, True])
+def test_unrebased_reader_opt_out_keeps_slot_local_numbering_except_on_a_paired_pool(joint):
+    loop = DraftLoop.build(windows=(None,), tokens_per_block=16, joint_kv_cache_reuse=joint)
+    loop.meta._ctx_reads_rebased_view = False
+    req = ctx_req(1, 160, start=96, chunk=64)
+    batch = ScheduledRequests(context_requests=[req])
+    loop.dm.prepare_resources(batch)
+    loop.meta.prepare(batch, loop.dm)
+    assert loop.meta.slot_state(1) == ((96, 0) if joint else (0, 0))
+    assert loop.meta.slot_offset(1) == (0 if joint else 96)
+
+
+# --------------------------------------------------------------------------- rebased reads, block writes
+def test_block_is_written_into_pages_the_request_holds_through_the_rebased_view():
+    # disaggregated request on a windowed pool: its low entries are released
+    loop = DraftLoop.build(windows=(64,), tokens_per_block=16, pages=64, backend="cpp")
+    t = truth(1200, 3)
+    loop.add_disagg_request(1, t, 1000)
+    row0 = loop.dm.get_cache(1).block_row(0)
+    assert row0[0] == -1  # released: the cpp export shows page 0 there
+    loop.step()
+    L, b = loop.meta.slot_state(1)
+    assert b == 1000 // 16 and L == b * 16 + 1  # seeded at 992, one token stored
+    prep = loop.meta.generation_prep()[0]
+    row = loop.dm.get_cache(1).block_row(0)
+    q = prep.query_pos[0].tolist()
+    assert q == list(range(L, L + 4))
+    pages = {row[p // 16] for p in q}
+    assert pages <= held(loop, 1)
+    # the block's K/V is there, at the in-page offsets
+    for layer in range(3):
+        _, storage = loop.drafter.layer_storage(layer)
+        blk = loop.drafter._block_kv(0, torch.tensor(q))[:, layer]
+        for i, p in enumerate(q):
+            assert torch.equal(storage[row[p // 16], :, :, p % 16, :], blk[i])
+    # reads: rebased rows start at the base, and cover only held pages
+    assert prep.shift.tolist() == [b]
+    n_read = -(-int(prep.read_lens[0]) // 16)
+    assert set(prep.read_rows[0, :n_read].tolist()) <= held(loop, 1)
+    loop.checker.assert_clean()
+
+
+# --------------------------------------------------------------------------- generation seeds
+def test_generation_seed_is_page_aligned_on_a_pool_with_the_trail_page():
+    loop = DraftLoop.build(windows=(128,), tokens_per_block=32, pages=64)
+    assert loop.dm._draft_slot_trail_tokens == 32
+    loop.add_disagg_request(1, truth(1300, 1), 1000)
+    loop.step()
+    assert loop.meta.seeds[1] == SlotStart(992, 31, 8)
+    loop.checker.assert_clean()
+
+
+def test_generation_seed_is_position_aligned_on_a_windowed_pool_without_the_trail_page():
+    loop = DraftLoop.build(windows=(128,), tokens_per_block=32, pages=64, trail_page=False)
+    loop.add_disagg_request(1, truth(1300, 1), 1000)
+    for _ in range(40):
+        loop.step()
+    assert loop.meta.seeds == {} and loop.meta.slot_offset(1) == 0
+    L, b = loop.meta.slot_state(1)
+    assert b == 32  # ceil(1000 / 32)
+    loop.checker.assert_clean()
+
+
+@pytest.mark.parametrize("trail", [True, False])
+def test_generation_seed_with_a_window_shorter_than_a_page(trail):
+    loop = DraftLoop.build(windows=(12,), tokens_per_block=32, pages=32, trail_page=trail)
+    loop.add_disagg_request(1, truth(900, 2), 700)
+    loop.step()
+    first = loop.meta.seeds[1]
+    assert first == (SlotStart(672, 21, 28) if trail else SlotStart(700, 22, 0))
+    for _ in range(80):
+        loop.step()
+    loop.checker.assert_clean()  # every read on a page the request holds, and what it stored
+    loop.dm.check_accounting()
+
+
+def test_generation_seed_in_a_private_arena_starts_at_zero():
+    loop = DraftLoop.build(windows=(None,), tokens_per_block=16, max_seq_len=512, private_arena=True)
+    loop.add_disagg_request(1, truth(900, 2), 300)
+    loop.step()
+    assert loop.meta.seeds[1] == SlotStart(0, 0, 300)
+    assert loop.meta.private_arena
+    for _ in range(20):
+        loop.step()
+    loop.checker.assert_clean()
+
+
+def test_generation_seed_and_stores_clamp_at_the_maximum_context():
+    meta = DFlashSpecMetadata(2, block_size=4, tokens_per_block=16, max_ctx_len=256)
+    req = gen_req(1, 400)
+    meta.prepare(ScheduledRequests(generation_requests=[req]), None)  # arena: (0, 0)
+    assert meta.slot_state(1) == (0, 0)
+    loop = DraftLoop.build(windows=(None,), tokens_per_block=16, max_seq_len=512, pages=64)
+    loop.meta.max_ctx_len = 250
+    loop.add_disagg_request(1, truth(500, 1), 290)
+    loop.step()
+    assert loop.meta.seeds[1] == SlotStart(240, 15, 50)  # p = 290 clamped to 250 first
+    assert loop.meta.slot_state(1)[0] == 241
+    for _ in range(12):
+        loop.step()
+    assert loop.meta.slot_state(1)[0] == 250  # never past max_ctx
+    prep = loop.meta.prepare_generation({1: 3})[0]
+    assert prep.new_ctx_len.tolist() == [250]
+    assert prep.store_offsets[0].tolist() == [-1, -1, -1, -1]  # nothing stored past max_ctx
+    loop.checker.assert_clean()
+
+
+# --------------------------------------------------------------------------- reuse, rollback
+def test_a_reused_slot_starts_with_base_0():
+    loop = DraftLoop.build(windows=(64,), tokens_per_block=16, pages=64, max_batch_size=1)
+    loop.add_disagg_request(1, truth(1200, 1), 1000)
+    loop.step()
+    slot = loop.meta.slot_of(1)
+    assert loop.meta.base_pages_host[slot] == 62
+    loop.finish(1)
+    assert loop.meta.base_pages_host[slot] == 0 and int(loop.meta.base_pages[slot]) == 0
+    loop.add_context_request(2, truth(300, 2), 100)
+    loop.step()
+    assert loop.meta.slot_of(2) == slot
+    assert loop.meta.slot_state(2) == (100, 0)
+    loop.meta.check_host_mirror()
+    loop.checker.assert_clean()
+
+
+def test_a_slot_reused_without_an_explicit_free_also_starts_with_base_0():
+    loop = DraftLoop.build(windows=(64,), tokens_per_block=16, pages=64, max_batch_size=1)
+    loop.add_disagg_request(1, truth(1200, 1), 1000)
+    loop.step()
+    slot = loop.meta.slot_of(1)
+    # the request departs through the manager only; prepare() notices the missing mirror
+    loop.dm.free_resources(1)
+    loop.requests.pop(1)
+    loop.truth.pop(1)
+    loop.add_context_request(2, truth(300, 2), 40)
+    loop.step()
+    assert not loop.meta.has_slot(1)
+    assert loop.meta.slot_of(2) == slot and loop.meta.slot_state(2) == (40, 0)
+    loop.meta.check_host_mirror()
+
+
+def test_base_survives_a_rollback_and_is_rolled_back_with_the_lengths():
+    loop = DraftLoop.build(windows=(64,), tokens_per_block=16, pages=64)
+    loop.add_disagg_request(1, truth(1200, 1), 1000)
+    loop.step()
+    L0, b0 = loop.meta.slot_state(1)
+    snap = loop.meta.snapshot()
+    loop.meta.prepare_generation({1: 3})
+    assert loop.meta.slot_state(1) == (L0 + 3, b0)
+    loop.meta.rollback(snap)
+    assert loop.meta.slot_state(1) == (L0, b0)  # the base survives
+    loop.meta.check_host_mirror()
+    # a base changed after the snapshot (slot lost and reseeded elsewhere) comes back too
+    loop.meta.evict(1)
+    loop.requests[1].tokens.extend(truth(1200, 1)[len(loop.requests[1].tokens) : 1040])
+    loop.meta.prepare(ScheduledRequests(generation_requests=[loop.requests[1]]), loop.dm)
+    assert loop.meta.slot_state(1)[1] != b0
+    loop.meta.rollback(snap)
+    assert loop.meta.slot_state(1) == (L0, b0)
+    assert loop.meta.base_pages.tolist()[loop.meta.slot_of(1)] == b0
+    loop.meta.check_host_mirror()
+
+
+def test_an_optimistic_commit_rolled_back_reads_only_what_was_accepted():
+    loop = DraftLoop.build(windows=(None,), tokens_per_block=16)
+    t = truth(600, 4)
+    loop.add_context_request(1, t, 120)
+    for i in range(30):
+        loop.step(optimistic=[1], accept_cap={1: i % 3})
+    loop.checker.assert_clean()
+    loop.meta.check_host_mirror()
+    assert loop.meta.slot_state(1)[0] == len(loop.requests[1].tokens) - 1
+
+
+# --------------------------------------------------------------------------- dummies
+def test_dummy_rows_share_the_dummy_slot_and_touch_only_their_own_pages():
+    loop = DraftLoop.build(windows=(32,), tokens_per_block=16, pages=64)
+    loop.add_context_request(1, truth(300, 1), 64)
+    loop.step(dummies=2, dummy_tokens=50)
+    dummy = loop.meta.dummy_slot
+    assert [r.slot for r in loop.meta.rows if r.kind == "dummy"] == [dummy, dummy]
+    assert loop.meta.slot_state(1)[0] == 64
+    assert loop.meta.ctx_len_host[dummy] == 48 and loop.meta.base_pages_host[dummy] == 3
+    loop.checker.assert_clean()
+    loop.dm.check_accounting()
+    assert loop.dm.request_ids() == [1]
+
+
+# --------------------------------------------------------------------------- errors
+def state(meta: DFlashSpecMetadata):
+    return (
+        meta.live_requests(),
+        meta.free_slots,
+        meta.ctx_len_host,
+        meta.base_pages_host,
+        meta.ctx_len.tolist(),
+        meta.base_pages.tolist(),
+    )
+
+
+def test_no_free_slot_names_the_requests_and_counts_and_changes_nothing():
+    loop = DraftLoop.build(windows=(None,), tokens_per_block=16, max_batch_size=2)
+    reqs = [ctx_req(i, 40) for i in range(1, 4)]
+    batch = ScheduledRequests(context_requests=reqs)
+    loop.dm.prepare_resources(batch)
+    loop.meta.prepare(ScheduledRequests(context_requests=reqs[:1]), loop.dm)
+    before = state(loop.meta)
+    with pytest.raises(NoFreeSlotError, match=r"requests \[2, 3\]: 2 needed, 1 free of 2 slots") as info:
+        loop.meta.prepare(batch, loop.dm)
+    assert info.value.request_ids == [2, 3] and info.value.needed == 2 and info.value.free == 1
+    assert state(loop.meta) == before
+
+
+def test_unknown_request_ids_raise_key_errors_naming_them():
+    meta = DFlashSpecMetadata(2, block_size=4, tokens_per_block=16)
+    for call in (meta.evict, meta.free, meta.slot_of, meta.slot_state, meta.row_index):
+        with pytest.raises(KeyError, match="request 77"):
+            call(77)
+    meta.free(77, missing_ok=True)
+
+
+def test_prepare_without_a_mirror_or_with_duplicates_raises_and_changes_nothing():
+    loop = DraftLoop.build(windows=(None,), tokens_per_block=16)
+    req = ctx_req(5, 40)
+    before = state(loop.meta)
+    with pytest.raises(KeyError, match=r"requests \[5\] have no draft mirror"):
+        loop.meta.prepare(ScheduledRequests(context_requests=[req]), loop.dm)
+    loop.dm.prepare_resources(ScheduledRequests(context_requests=[req]))
+    with pytest.raises(ValueError, match=r"requests \[5\] appear twice"):
+        loop.meta.prepare(ScheduledRequests(context_requests=[req], generation_requests=[req]), loop.dm)
+    assert state(loop.meta) == before
+
+
+def test_a_store_that_does_not_continue_the_slot_raises_and_changes_nothing():
+    loop = DraftLoop.build(windows=(None,), tokens_per_block=16)
+    req = ctx_req(1, 64, chunk=32)
+    batch = ScheduledRequests(context_requests=[req])
+    loop.dm.prepare_resources(batch)
+    loop.meta.prepare(batch, loop.dm)
+    before = state(loop.meta)
+    with pytest.raises(ValueError, match="continue its slot at absolute position 0"):
+        loop.meta.plan_context_store(req, range(5, 37))
+    with pytest.raises(ValueError, match="only generation rows commit"):
+        loop.meta.prepare_generation({1: 2})
+    assert state(loop.meta) == before
+
+
+def test_a_block_past_the_mirror_capacity_is_refused_before_anything_changes():
+    loop = DraftLoop.build(windows=(None,), tokens_per_block=16)
+    loop.dm.num_extra_kv_tokens = 0  # a manager that leaves no room for the block
+    loop.add_disagg_request(1, truth(300, 1), 96)
+    req = loop.requests[1]
+    batch = ScheduledRequests(generation_requests=[req])
+    loop.dm.prepare_resources(batch)
+    loop.meta.prepare(batch, loop.dm)
+    before = state(loop.meta)
+    with pytest.raises(ValueError, match=r"request 1's block .* past its draft mirror's capacity"):
+        loop.meta.prepare_generation({1: 4})
+    assert state(loop.meta) == before
+
+
+@pytest.mark.parametrize("trail", [True, False])
+def test_the_drafter_reads_only_inside_its_slot_span(trail):
+    """Context reads lie in [b*P, L), block reads in [L, L + block_size); nothing else."""
+    loop = DraftLoop.build(windows=(48,), tokens_per_block=16, pages=64, trail_page=trail)
+    seen: list[tuple[int, list[int]]] = []
+    record = loop.checker.record_read
+
+    def spy(rid, group, layers, positions, *args, **kwargs):
+        seen.append((rid, positions.tolist()))
+        return record(rid, group, layers, positions, *args, **kwargs)
+
+    loop.checker.record_read = spy
+    loop.add_disagg_request(1, truth(1200, 1), 1000 + 5)
+    loop.add_context_request(2, truth(600, 2), 200, chunk=64, start=32)
+    for _ in range(30):
+        seen.clear()
+        loop.step(chunks={2: 64})
+        assert any(positions for _, positions in seen)
+        for rid, positions in seen:
+            L, b = loop.meta.slot_state(rid)
+            assert not positions or max(positions) < L + 4
+            assert all(p >= b * 16 for p in positions if p < L)
+    loop.checker.assert_clean()
+
+
+def test_rows_that_lost_their_slot_after_prepare_are_refused():
+    loop = DraftLoop.build(windows=(None,), tokens_per_block=16)
+    loop.add_disagg_request(1, truth(300, 1), 100)
+    req = loop.requests[1]
+    batch = ScheduledRequests(generation_requests=[req])
+    loop.dm.prepare_resources(batch)
+    loop.meta.prepare(batch, loop.dm)
+    loop.meta.evict(1)
+    with pytest.raises(RuntimeError, match=r"requests \[1\] lost their slots after prepare"):
+        loop.meta.prepare_generation({1: 1})
+
+
+def test_read_window_start():
+    from tensorrt_llm_draftkv.speculative.slot_rules import read_window_start, rebased_view
+
+    assert read_window_start(100, 4, None) == 0
+    assert read_window_start(100, 4, 64) == 40  # the block and its context span the last 64 positions
+    assert read_window_start(10, 4, 64) == 0
+    assert rebased_view(130, 3, 32) == (3, 34) and rebased_view(100, 4, 32) == (4, 0)
