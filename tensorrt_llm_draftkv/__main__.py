@@ -1,4 +1,8 @@
-"""Command line: `plan` (pool capacity planner); `simulate` and `bench` come with the executor."""
+"""Command line: `simulate` (the default), `plan`, `bench`.
+
+`python -m tensorrt_llm_draftkv` runs the embedded scenario: long prompts,
+aggregated and disaggregated, under the legacy and the history mirror sizing.
+"""
 from __future__ import annotations
 
 import argparse
@@ -45,18 +49,81 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_simulate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sizing",
+        choices=("history", "legacy", "both"),
+        default="both",
+        help="mirror sizing and slot seeding to run: the fix (history), the pre-fix behaviour (legacy), or both "
+        "side by side (default)",
+    )
+    p.add_argument("--runs", nargs="*", help="names of the embedded runs to execute (default: all)")
+    p.add_argument("--json", metavar="FILE", help="write one record per run")
+    p.add_argument("--plot", metavar="FILE.png", help="draw draft-pool occupancy over steps (needs matplotlib)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--drafter", default="dflash", help="dflash or dspark")
+    p.add_argument("--no-trail-page", action="store_true", help="turn the trail page off (for comparison)")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument(
+        "--full-attention-target",
+        action="store_true",
+        help="give the target full-attention layers (large target pool: meant for a GPU)",
+    )
+    p.add_argument("--progress", action="store_true", help="show a progress bar on long runs (default: on a terminal)")
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from .executor.scenario import DEFAULT_SCENARIO
+    from .executor.simulate import format_table, simulate, write_json, write_plot
+    from .manager.mirror_sizing import MirrorSizing
+
+    scenario = DEFAULT_SCENARIO.with_setup(
+        device=args.device,
+        drafter=SpeculativeDecodingMode.parse(args.drafter),
+        trail_page=not args.no_trail_page,
+        **({"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}),
+        **({"target_window": None} if args.full_attention_target else {}),
+    )
+    if args.runs:
+        known = {r.name: r for r in scenario.runs}
+        missing = [n for n in args.runs if n not in known]
+        if missing:
+            raise SystemExit(f"unknown run(s) {missing}; embedded runs: {sorted(known)}")
+        from dataclasses import replace
+
+        scenario = replace(scenario, runs=tuple(known[n] for n in args.runs))
+    sizings = [MirrorSizing.HISTORY, MirrorSizing.LEGACY] if args.sizing == "both" else [MirrorSizing(args.sizing)]
+    results = simulate(scenario, sizings, progress=args.progress or sys.stderr.isatty())
+    print(format_table(results))
+    if args.json:
+        write_json(results, args.json)
+    if args.plot:
+        write_plot(results, args.plot)
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import runpy
+
+    sys.argv = ["benchmarks/kernels.py", *args.rest]
+    runpy.run_module("benchmarks.kernels", run_name="__main__")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tensorrt_llm_draftkv")
     sub = parser.add_subparsers(dest="command")
+    simulate = sub.add_parser("simulate", help="the embedded long-prompt scenario, legacy vs history (default)")
+    _add_simulate_args(simulate)
     plan = sub.add_parser("plan", help="pages, bytes and concurrency for a pool geometry and budget")
     _add_plan_args(plan)
+    bench = sub.add_parser("bench", help="run the kernel benchmarks (arguments go to benchmarks/kernels.py)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("simulate", "plan", "bench", "-h", "--help"):
+        argv.insert(0, "simulate")  # simulate is the default command, options included
     args = parser.parse_args(argv)
-    if args.command in (None, "plan"):
-        if args.command is None:
-            args = plan.parse_args([])
-        return run_plan(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    return {"simulate": run_simulate, "plan": run_plan, "bench": run_bench}[args.command](args)
 
 
 if __name__ == "__main__":

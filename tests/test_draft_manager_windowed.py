@@ -213,7 +213,8 @@ def test_gen_init_mirror_survives_generation_updates(mode):
     assert legacy.admit_mirror(fresh) is False
     with pytest.raises(
         KVCacheResizeError,
-        match=rf"^Draft KV cache generation resize failed for request 7: could not resize to {prompt + drafts + extra} tokens",
+        # Legacy presents the request as a whole-prompt context chunk, and the error says so.
+        match=rf"^Draft KV cache context resize failed for request 7: could not resize to {prompt + drafts + extra} tokens",
     ):
         legacy.prepare_disagg_gen_init(fresh)
     assert legacy.request_ids() == [] and legacy.free_pages() == (pages,)

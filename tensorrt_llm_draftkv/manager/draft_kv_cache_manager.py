@@ -86,6 +86,11 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
             history = max(history, cache.history_length)
         return max(capacity, cache.history_length), history
 
+    @property
+    def _disagg_gen_init_phase(self) -> str:
+        """Legacy sizes a generation-init mirror as a whole-prompt context chunk, and says so."""
+        return "context" if self.sizing is rules.MirrorSizing.LEGACY else "generation"
+
     def _disagg_gen_init_sizing(self, req: LlmRequest, cache: KVCache) -> tuple[int, int | None]:
         return rules.disagg_gen_init_sizing(
             self.policy,

@@ -170,7 +170,10 @@ class KVCacheManagerV2:
 
     def prepare_disagg_gen_init(self, req: LlmRequest) -> None:
         """A generation worker's new request: the prompt is history, a step of headroom above it."""
-        self._resize_or_raise(req, "generation", self._disagg_gen_init_sizing)
+        self._resize_or_raise(req, self._disagg_gen_init_phase, self._disagg_gen_init_sizing)
+
+    # Named in resize errors; the legacy mirror presents this request as a context chunk.
+    _disagg_gen_init_phase = "generation"
 
     def _disagg_gen_init_sizing(self, req: LlmRequest, cache: KVCache) -> tuple[int, int | None]:
         return req.prompt_len + self.generation_headroom, req.prompt_len

@@ -1,0 +1,220 @@
+"""Disaggregated serving, one context worker and one generation worker (1P1D).
+
+Rank 0 runs every prompt through its own target cache and, when a request's
+first token exists, sends the prompt's tokens, the first token and the target
+K/V that the generation worker's window will read. Rank 1 builds the
+generation-init caches (`prepare_disagg_gen_init` in both pools), writes the
+received K/V into its own pages and decodes with the drafter, whose slots are
+seeded there because the prompt's drafter context was never computed on it.
+The two ranks talk through torch.distributed (gloo on CPU, NCCL when each rank
+has its own GPU).
+
+Wire format per request: an int64 header `[request_id, prompt_len, num_tokens,
+num_groups, lo_0, ..]`, the token ids, then K and V of positions `[lo_g, prompt_len)`
+for each layer group g. A header with request_id -1 ends the stream.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..request import LlmRequest, LlmRequestState
+
+MAX_GROUPS = 8
+_HEADER = 4 + MAX_GROUPS
+
+
+@dataclass
+class Transfer:
+    request_id: int
+    prompt_len: int
+    tokens: torch.Tensor
+    group_lo: list[int]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Channel:
+    """Point-to-point transfers between the two ranks; tensors travel on the wire device."""
+
+    def __init__(self, peer: int, wire_device: torch.device, dim: int, dtype: torch.dtype) -> None:
+        self.peer = peer
+        self.wire = wire_device
+        self.dim = dim
+        self.dtype = dtype
+
+    def send(self, item: Transfer | None) -> None:
+        header = torch.full((_HEADER,), -1, dtype=torch.long)
+        if item is not None:
+            header[:4] = torch.tensor([item.request_id, item.prompt_len, item.tokens.numel(), len(item.group_lo)])
+            header[4 : 4 + len(item.group_lo)] = torch.tensor(item.group_lo)
+        dist.send(header.to(self.wire), self.peer)
+        if item is None:
+            return
+        dist.send(item.tokens.to(self.wire, torch.long).contiguous(), self.peer)
+        for k, v in zip(item.keys, item.values):
+            dist.send(k.to(self.wire, self.dtype).contiguous(), self.peer)
+            dist.send(v.to(self.wire, self.dtype).contiguous(), self.peer)
+
+    def recv(self) -> Transfer | None:
+        header = torch.empty(_HEADER, dtype=torch.long, device=self.wire)
+        dist.recv(header, self.peer)
+        header = header.cpu()
+        if int(header[0]) < 0:
+            return None
+        rid, prompt_len, num_tokens, num_groups = (int(x) for x in header[:4])
+        group_lo = [int(x) for x in header[4 : 4 + num_groups]]
+        tokens = torch.empty(num_tokens, dtype=torch.long, device=self.wire)
+        dist.recv(tokens, self.peer)
+        keys, values = [], []
+        for lo in group_lo:
+            k = torch.empty(prompt_len - lo, self.dim, dtype=self.dtype, device=self.wire)
+            v = torch.empty_like(k)
+            dist.recv(k, self.peer)
+            dist.recv(v, self.peer)
+            keys.append(k)
+            values.append(v)
+        return Transfer(rid, prompt_len, tokens, group_lo, keys, values)
+
+
+def transfer_from(req: LlmRequest, executor) -> Transfer:
+    """What the context worker sends for a request whose first token exists (pages still held)."""
+    model = executor.target_model
+    rid, m = req.py_request_id, req.prompt_len
+    group_lo, keys, values = [], [], []
+    for g, group in enumerate(executor.target_manager.layer_groups):
+        window = group.life_cycle.window
+        lo = 0 if window is None else max(0, m - window)
+        k, v = model.read_kv(rid, lo, m, g)
+        group_lo.append(lo)
+        keys.append(k)
+        values.append(v)
+    tokens = torch.tensor(req.tokens[: m + 1], dtype=torch.long)
+    return Transfer(rid, m, tokens, group_lo, keys, values)
+
+
+def admit_transfer(item: Transfer, executor) -> LlmRequest:
+    """Generation worker: build both generation-init caches and write the received K/V."""
+    req = LlmRequest(
+        item.request_id,
+        prompt_len=item.prompt_len,
+        tokens=item.tokens.cpu().tolist(),
+        state=LlmRequestState.DISAGG_GENERATION_INIT,
+        max_new_tokens=executor.max_new_tokens,
+    )
+    executor.target_manager.prepare_disagg_gen_init(req)
+    try:
+        if executor.draft_manager is not None:
+            executor.draft_manager.prepare_disagg_gen_init(req)
+    except Exception:
+        executor.target_manager.free_resources(req)
+        raise
+    for g, (lo, k, v) in enumerate(zip(item.group_lo, item.keys, item.values)):
+        executor.target_model.write_kv_values(req.py_request_id, lo, k, v, groups=[g])
+    req.state = LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE
+    req.state = LlmRequestState.GENERATION_IN_PROGRESS
+    executor.add_generation_request(req, item.tokens)
+    return req
+
+
+def _worker(rank: int, port: int, backend: str, build: Callable[[int], Any], prompts: list[torch.Tensor], queue) -> None:
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        result = build(rank)
+        if rank == 0:
+            _context_rank(result, prompts)
+            queue.put((rank, None))
+        else:
+            queue.put((rank, _generation_rank(result)))
+    except BaseException:  # report, never hang the parent
+        queue.put((rank, {"crash": traceback.format_exc()}))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _wire(executor, backend: str) -> Channel:
+    device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+    return Channel(
+        peer=1 - dist.get_rank(),
+        wire_device=device,
+        dim=executor.target_model.config.dim,
+        dtype=executor.target_manager.config.dtype,
+    )
+
+
+def _context_rank(executor, prompts: list[torch.Tensor]) -> None:
+    channel = _wire(executor, dist.get_backend())
+    executor.on_complete = lambda req, ex: channel.send(transfer_from(req, ex))
+    for rid, prompt in enumerate(prompts):
+        executor.add_request(rid, prompt)
+    try:
+        executor.run()
+    finally:
+        channel.send(None)
+
+
+def _generation_rank(executor):
+    channel = _wire(executor, dist.get_backend())
+    limit = executor.scheduler.config.max_num_requests
+    pending, dead = True, False
+    from ..manager import KVCacheResizeError
+
+    while pending or (executor.scheduler.has_work() and not dead):
+        while pending and (dead or len(executor.scheduler.active) < limit):
+            item = channel.recv()
+            if item is None:
+                pending = False
+            elif not dead:
+                try:
+                    admit_transfer(item, executor)
+                except KVCacheResizeError as err:
+                    # The executor dies here; keep draining so the context worker can finish.
+                    executor.stats.resize_failures += 1
+                    executor.stats.first_error = executor.stats.first_error or str(err).splitlines()[0]
+                    dead = True
+        if dead or not executor.scheduler.has_work():
+            continue
+        before = executor.stats.resize_failures
+        executor.run_steps(1)
+        dead = executor.stats.resize_failures > before
+    return executor.finish()
+
+
+def run_disaggregated(build: Callable[[int], Any], prompts: list[torch.Tensor], *, backend: str | None = None):
+    """Run both ranks in child processes; returns the generation rank's result."""
+    import torch.multiprocessing as mp
+
+    if backend is None:
+        backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, backend, build, prompts, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        rank, value = queue.get()
+        results[rank] = value
+    for p in procs:
+        p.join()
+    for rank, value in results.items():
+        if isinstance(value, dict) and "crash" in value:
+            raise RuntimeError(f"disaggregated rank {rank} crashed:\n{value['crash']}")
+    return results[1]
