@@ -6,9 +6,11 @@ from .config import KvCacheConfig, LayerGroupConfig, SpeculativeDecodingMode
 from .manager import DraftKVCacheManagerV2, KVCacheManagerV2, KVCacheResizeError, MirrorSizing
 from .request import LlmRequest, LlmRequestState, ScheduledRequests, request_context
 from .runtime import BAD_PAGE_INDEX
+from .speculative import DFlashSpecMetadata
 
 __all__ = [
     "BAD_PAGE_INDEX",
+    "DFlashSpecMetadata",
     "DraftKVCacheManagerV2",
     "KVCacheManagerV2",
     "MirrorSizing",
