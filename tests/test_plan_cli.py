@@ -128,3 +128,28 @@ def test_plan_bad_number_is_an_explicit_error(capsys):
         main([*WORKED[:-4], "--tokens-per-block", "0", "--window", "4096"])
     with pytest.raises(ValueError, match=r"unknown speculative decoding mode 'bogus'"):
         main(["plan", "--drafter", "bogus"])
+
+
+def test_plan_reports_the_target_pool_and_the_joint_concurrency(capsys):
+    """The target pool's charge follows the same estimator; both pools bound concurrency."""
+    args = WORKED + ["--target-num-layers", "4", "--target-num-full-layers", "2", "--target-num-kv-heads", "2",
+                     "--target-head-dim", "64", "--target-window", "1024", "--max-seq-len", "65536",
+                     "--target-pool-gib", "2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "target pool (trail tokens per window: 0)" in out
+    windowed = group_pages_per_request(1024, 32, max_seq_len=65536, chunk=8192, max_draft_len=7)
+    full = group_pages_per_request(None, 32, max_seq_len=65536, chunk=8192, max_draft_len=7)
+    target_lines = out.split("target pool")[1].splitlines()
+    rows = [line.split() for line in target_lines if line.split()[:1] in (["0"], ["1"])]
+    assert [int(r[3]) for r in rows] == [windowed, full]
+    draft_conc = int(re.search(r"max concurrency (\d+)", out.split("target pool")[0]).group(1))
+    target_conc = int(re.search(r"max concurrency (\d+)", out.split("target pool")[1]).group(1))
+    assert f"concurrent requests both pools hold: {min(draft_conc, target_conc)}" in out
+    # the 2 GiB budget is split in proportion to the groups' per-request bytes
+    assert target_conc == min(int(r[-1]) for r in rows)
+
+
+def test_plan_can_skip_the_target_pool(capsys):
+    assert main(WORKED + ["--target-num-layers", "0", "--target-num-full-layers", "0"]) == 0
+    assert "target pool" not in capsys.readouterr().out
