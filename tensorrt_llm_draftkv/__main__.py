@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="run the kernel benchmarks (arguments go to benchmarks/kernels.py)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return run_bench(argparse.Namespace(rest=argv[1:]))
     if not argv or argv[0] not in ("simulate", "plan", "bench", "-h", "--help"):
         argv.insert(0, "simulate")  # simulate is the default command, options included
     args = parser.parse_args(argv)
