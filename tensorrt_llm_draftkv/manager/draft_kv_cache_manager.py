@@ -7,10 +7,8 @@ token positions, like the target cache.
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 from ..config import KvCacheConfig, SpeculativeDecodingMode
-from ..request import ContextView, LlmRequest, ScheduledRequests
+from ..request import ContextView, LlmRequest
 from ..runtime import KVCache
 from . import mirror_sizing as rules
 from .diagnostics import KVCacheResizeError, resize_error
@@ -100,31 +98,9 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
             extra_tokens=self.num_extra_kv_tokens,
         )
 
-    def update_context_resources(self, batch: ScheduledRequests) -> None:
-        """History follows the position of the view this mirror reads."""
-        for req in batch.context_requests:
-            cache = self.get_cache(req.py_request_id)
-            position = self._mirror_view(req).position
-            if position > cache.history_length:
-                cache.resize(max(cache.capacity, position), position)
-
-    def add_dummy_requests(
-        self,
-        request_ids: Iterable[int],
-        token_nums: Iterable[int] | None = None,
-        *,
-        is_gen: bool = True,
-        max_num_draft_tokens: int = 0,
-        history_hint: int | None = None,
-    ) -> list[LlmRequest]:
-        """Warmup dummies; the fix gives their mirrors the target's `history_hint`."""
-        return super().add_dummy_requests(
-            request_ids,
-            token_nums,
-            is_gen=is_gen,
-            max_num_draft_tokens=max_num_draft_tokens,
-            history_hint=rules.dummy_history(self.policy, history_hint),
-        )
+    def _dummy_history(self, history_hint: int | None) -> int | None:
+        """The fix gives a warmup dummy's mirror the target's `history_hint`; legacy drops it."""
+        return rules.dummy_history(self.policy, history_hint)
 
     # -- admission and errors -------------------------------------------------------
     def admit_mirror(self, req: LlmRequest) -> bool:

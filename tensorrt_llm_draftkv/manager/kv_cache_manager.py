@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..config import KvCacheConfig
-from ..request import LlmRequest, LlmRequestState, ScheduledRequests
+from ..request import ContextView, LlmRequest, LlmRequestState, ScheduledRequests
 from ..runtime import BAD_PAGE_INDEX, KVCache, LayerGroup, LifeCycle, PagePool
 from .diagnostics import KVCacheResizeError, pool_diagnostic, resize_error
 
@@ -72,6 +72,14 @@ class KVCacheManagerV2:
 
     # The target cache always follows the target view, whatever use_draft_model says.
     _mirror_uses_draft_view = False
+
+    def _mirror_view(self, req: LlmRequest) -> ContextView:
+        """The (position, chunk) view this manager sizes from: the target's, here."""
+        return req.target_view
+
+    def _dummy_history(self, history_hint: int | None) -> int | None:
+        """History a warmup dummy starts with (the hint lets a window back only itself)."""
+        return history_hint
 
     def _context_sizing(self, req: LlmRequest, cache: KVCache) -> tuple[int, int | None]:
         """(capacity, history) for the request's current context chunk (target view)."""
@@ -164,7 +172,7 @@ class KVCacheManagerV2:
         """After the executor advanced each context view: history follows its position."""
         for req in batch.context_requests:
             cache = self.get_cache(req.py_request_id)
-            position = req.target_view.position
+            position = self._mirror_view(req).position
             if position > cache.history_length:
                 cache.resize(max(cache.capacity, position), position)
 
@@ -216,7 +224,8 @@ class KVCacheManagerV2:
                 if is_gen:
                     req.state = LlmRequestState.GENERATION_IN_PROGRESS
                 capacity = tokens + max_num_draft_tokens + self.num_extra_kv_tokens
-                history = None if history_hint is None else min(history_hint, capacity)
+                hint = self._dummy_history(history_hint)
+                history = None if hint is None else min(hint, capacity)
                 self._resize_or_raise(req, "dummy", lambda r, c, cap=capacity, h=history: (cap, h))
                 made.append(req)
         except Exception:
