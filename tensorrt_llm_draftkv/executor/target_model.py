@@ -95,8 +95,9 @@ class TinyTarget:
         for g in range(self.manager.num_pools) if groups is None else groups:
             k_rows, v_rows = self._flat_rows(request_id, g, start, end, "write")
             for layer in self._layers(g):
-                layer.index_copy_(0, k_rows, keys.to(layer.dtype))
-                layer.index_copy_(0, v_rows, values.to(layer.dtype))
+                # Received K/V may arrive on the wire's device (gloo: CPU).
+                layer.index_copy_(0, k_rows, keys.to(layer.device, layer.dtype))
+                layer.index_copy_(0, v_rows, values.to(layer.device, layer.dtype))
 
     def read_kv(self, request_id: int, start: int, end: int, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions [start, end) from one group's first layer, through the block table."""
