@@ -162,11 +162,32 @@ class KVCacheManagerV2:
             raise self._resize_error(req.py_request_id, phase, capacity, history)
 
     def prepare_resources(self, batch: ScheduledRequests) -> None:
-        """Size every request's cache for this step (context chunk or generation step)."""
-        for req in batch.context_requests:
-            self._resize_or_raise(req, "context", self._context_sizing)
-        for req in batch.generation_requests:
-            self._resize_or_raise(req, "generation", self._generation_sizing)
+        """Size every request's cache for this step (context chunk or generation step).
+
+        All or nothing: if one request cannot be sized, the requests before it in
+        the batch are put back as they were (fresh caches dropped) and the error
+        is raised.
+        """
+        steps = [(r, "context", self._context_sizing) for r in batch.context_requests]
+        steps += [(r, "generation", self._generation_sizing) for r in batch.generation_requests]
+        undo: list[tuple[int, tuple | None]] = []
+        try:
+            for req, phase, sizing in steps:
+                rid = req.py_request_id
+                cache = self._caches.get(rid)
+                undo.append((rid, None if cache is None else cache.checkpoint()))
+                self._resize_or_raise(req, phase, sizing)
+        except Exception:
+            for rid, state in reversed(undo):
+                cache = self._caches.get(rid)
+                if cache is None:
+                    continue
+                if state is None:
+                    del self._caches[rid]
+                    cache.free()
+                else:
+                    cache.restore(state)
+            raise
 
     def update_context_resources(self, batch: ScheduledRequests) -> None:
         """After the executor advanced each context view: history follows its position."""

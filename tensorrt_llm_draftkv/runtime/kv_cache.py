@@ -168,6 +168,26 @@ class KVCache:
         self.capacity = self.history_length = self.committed = 0
         self.closed = True
 
+    def checkpoint(self) -> tuple:
+        """State to `restore` if a later step of the same batch fails."""
+        return (self.capacity, self.history_length, self.committed, [list(r) for r in self._rows], list(self._settled))
+
+    def restore(self, state: tuple) -> None:
+        """Return to a checkpoint: give back pages gained since, take back pages released since.
+
+        Undo in the reverse order of the changes (latest resize first), so the
+        pages released since the checkpoint are still free to take back.
+        """
+        capacity, history, committed, rows, settled = state
+        for g, (now, then) in enumerate(zip(self._rows, rows)):
+            held_now = {p for p in now if p != BAD_PAGE_INDEX}
+            held_then = {p for p in then if p != BAD_PAGE_INDEX}
+            self.groups[g].pool.release(sorted(held_now - held_then))
+            self.groups[g].pool.take(sorted(held_then - held_now))
+        self._rows = [list(r) for r in rows]
+        self._settled = list(settled)
+        self.capacity, self.history_length, self.committed = capacity, history, committed
+
     def snapshot(self) -> tuple:
         """Everything that defines this cache, for bit-identity checks."""
         return (self.capacity, self.history_length, self.committed, tuple(tuple(r) for r in self._rows))

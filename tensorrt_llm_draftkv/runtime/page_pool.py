@@ -72,6 +72,18 @@ class PagePool:
         self._held.update(pages)
         return pages
 
+    def take(self, pages: list[int]) -> None:
+        """Claim these particular free pages, all or none (used to undo a release)."""
+        busy = [p for p in pages if p in self._held]
+        if busy or len(set(pages)) != len(pages):
+            raise ValueError(f"cannot take pages that are held (or repeated): {sorted(set(busy)) or pages}")
+        missing = set(pages) - set(self._free)
+        if missing:
+            raise ValueError(f"pages {sorted(missing)} are not pages of this pool's free list")
+        wanted = set(pages)
+        self._free = [p for p in self._free if p not in wanted]
+        self._held.update(pages)
+
     def release(self, pages: list[int]) -> None:
         """Return pages to the free list; every one must be held (no double free)."""
         bad = [p for p in pages if p not in self._held]

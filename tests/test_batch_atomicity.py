@@ -1,0 +1,94 @@
+"""prepare_resources is all or nothing over a batch, and KVCache.restore undoes resizes exactly."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tensorrt_llm_draftkv import (
+    DraftKVCacheManagerV2,
+    KVCacheManagerV2,
+    KVCacheResizeError,
+    KvCacheConfig,
+    LayerGroupConfig,
+    LlmRequest,
+    LlmRequestState,
+    ScheduledRequests,
+    SpeculativeDecodingMode,
+)
+
+
+def _state(mgr: KVCacheManagerV2):
+    caches = {rid: mgr.get_cache(rid).snapshot() for rid in mgr.request_ids()}
+    pools = [(sorted(p._free), sorted(p._held)) for p in mgr.pools()]
+    return caches, pools
+
+
+def _config(pages: tuple[int, int]) -> KvCacheConfig:
+    return KvCacheConfig(
+        (LayerGroupConfig(1, window=40), LayerGroupConfig(1)),
+        pages_per_group=pages,
+        tokens_per_block=8,
+        head_dim=2,
+        max_seq_len=4096,
+    )
+
+
+@pytest.mark.parametrize("manager", ["target", "draft"])
+def test_a_failing_request_puts_the_whole_batch_back(manager):
+    cfg = _config((64, 40))
+    if manager == "target":
+        mgr = KVCacheManagerV2(cfg, max_draft_len=3)
+    else:
+        mgr = DraftKVCacheManagerV2(cfg, spec_mode=SpeculativeDecodingMode.DFLASH, max_draft_len=3)
+    # Two requests mid-prefill whose next chunk raises history (releasing window pages) and grows.
+    running = [LlmRequest(i, prompt_len=160) for i in (1, 2)]
+    for req in running:
+        req.target_view.chunk_size = 48
+        mgr.prepare_resources(ScheduledRequests([req]))
+        req.advance_context_chunk(48)
+    before = _state(mgr)
+    hog = LlmRequest(3, prompt_len=400)  # a fresh request the full-attention pool cannot hold
+    batch = ScheduledRequests([*running, hog])
+    with pytest.raises(KVCacheResizeError, match="request 3"):
+        mgr.prepare_resources(batch)
+    assert _state(mgr) == before
+    mgr.check_accounting()
+    # and the batch without the hog still goes through from that state
+    mgr.prepare_resources(ScheduledRequests(running))
+    assert all(mgr.get_cache(r.py_request_id).capacity == 96 for r in running)
+
+
+def test_restore_undoes_random_resize_sequences_in_reverse_order():
+    rng = random.Random(7)
+    for _ in range(60):
+        mgr = KVCacheManagerV2(_config((48, 48)))
+        caches = []
+        for rid in range(3):
+            req = LlmRequest(rid, prompt_len=1, state=LlmRequestState.GENERATION_IN_PROGRESS)
+            mgr.prepare_resources(ScheduledRequests(generation_requests=[req]))
+            caches.append(mgr.get_cache(rid))
+        before = _state(mgr)
+        done = []
+        for _ in range(rng.randint(1, 8)):
+            cache = rng.choice(caches)
+            history = cache.history_length + rng.randint(0, 30)
+            state = cache.checkpoint()
+            if cache.resize(history + rng.randint(0, 40), history):
+                done.append((cache, state))
+        for cache, state in reversed(done):
+            cache.restore(state)
+        assert _state(mgr) == before
+        mgr.check_accounting()
+
+
+def test_take_refuses_held_or_foreign_pages():
+    mgr = KVCacheManagerV2(_config((8, 8)))
+    pool = mgr.pools()[0]
+    pool.allocate(2)
+    with pytest.raises(ValueError, match="held"):
+        pool.take([0])
+    with pytest.raises(ValueError, match=r"\[99\]"):
+        pool.take([99])
+    pool.take([5])
+    assert pool.is_held(5) and pool.num_free == 5
