@@ -12,8 +12,17 @@ from .config import LayerGroupConfig, SpeculativeDecodingMode, parse_dtype
 from .planner import PoolGeometry, format_report, plan_pool, trail_tokens_for
 
 
+def _mode(text: str) -> SpeculativeDecodingMode:
+    try:
+        return SpeculativeDecodingMode.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", default="dspark", help="speculative mode (dflash, dspark, pard, mtp, ...)")
+    p.add_argument(
+        "--drafter", default="dspark", type=_mode, help="speculative mode (dflash, dspark, pard, mtp, ...)"
+    )
     p.add_argument("--num-layers", type=int, default=5, help="windowed draft layers")
     p.add_argument("--num-full-layers", type=int, default=0, help="full-attention draft layers")
     p.add_argument("--num-kv-heads", type=int, default=4)
@@ -35,7 +44,7 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    mode = SpeculativeDecodingMode.parse(args.drafter)
+    mode = args.drafter
     groups = []
     if args.num_layers:
         groups.append(LayerGroupConfig(args.num_layers, window=args.window or None))
@@ -93,7 +102,7 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write one record per run")
     p.add_argument("--plot", metavar="FILE.png", help="draw draft-pool occupancy over steps (needs matplotlib)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--drafter", default="dflash", help="dflash or dspark")
+    p.add_argument("--drafter", default="dflash", type=_mode, help="dflash or dspark")
     p.add_argument("--no-trail-page", action="store_true", help="turn the trail page off (for comparison)")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument(
@@ -111,7 +120,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     scenario = DEFAULT_SCENARIO.with_setup(
         device=args.device,
-        drafter=SpeculativeDecodingMode.parse(args.drafter),
+        drafter=args.drafter,
         trail_page=not args.no_trail_page,
         **({"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}),
         **({"target_window": None} if args.full_attention_target else {}),

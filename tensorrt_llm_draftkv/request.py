@@ -124,6 +124,8 @@ class LlmRequest:
 
     def advance_context_chunk(self, next_chunk: int | None = None) -> None:
         """Move the active view past its current chunk and set the next chunk's size."""
+        if next_chunk is not None and next_chunk < 1:
+            raise ValueError(f"request {self.py_request_id}: the next chunk must be >= 1 token, got {next_chunk}")
         view = self._view
         view.position += view.chunk_size
         remaining = self.prompt_len - view.position

@@ -126,8 +126,6 @@ def test_format_bytes(n, text):
 def test_plan_bad_number_is_an_explicit_error(capsys):
     with pytest.raises(ValueError, match=r"tokens_per_block must be >= 1, got 0"):
         main([*WORKED[:-4], "--tokens-per-block", "0", "--window", "4096"])
-    with pytest.raises(ValueError, match=r"unknown speculative decoding mode 'bogus'"):
-        main(["plan", "--drafter", "bogus"])
 
 
 def test_plan_reports_the_target_pool_and_the_joint_concurrency(capsys):
@@ -153,3 +151,10 @@ def test_plan_reports_the_target_pool_and_the_joint_concurrency(capsys):
 def test_plan_can_skip_the_target_pool(capsys):
     assert main(WORKED + ["--target-num-layers", "0", "--target-num-full-layers", "0"]) == 0
     assert "target pool" not in capsys.readouterr().out
+
+
+def test_plan_rejects_an_unknown_drafter_with_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--drafter", "bogus"])
+    assert exc.value.code == 2
+    assert "unknown speculative decoding mode 'bogus'" in capsys.readouterr().err

@@ -165,3 +165,13 @@ def test_bad_requests_name_their_numbers():
         LlmRequest(4, prompt_len=-1)
     with pytest.raises(ValueError, match=r"request 5: 2 tokens for a 3-token prompt"):
         LlmRequest(5, prompt_len=3, tokens=[1, 2])
+
+
+def test_advance_context_chunk_rejects_a_non_positive_next_chunk():
+    from tensorrt_llm_draftkv import LlmRequest
+
+    req = LlmRequest(4, prompt_len=100)
+    req.target_view.chunk_size = 30
+    with pytest.raises(ValueError, match=r"request 4: .* got 0"):
+        req.advance_context_chunk(0)
+    assert (req.target_view.position, req.target_view.chunk_size) == (0, 30)

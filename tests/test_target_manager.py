@@ -363,8 +363,19 @@ def exported_expectation(mgr, ids):
             for i, page in enumerate(mgr.get_cache(rid).block_row(g)):
                 if page >= 0:
                     out[g, b, 0, i] = page * kv
-                    out[g, b, 1, i] = page * kv + 1
+                    out[g, b, 1, i] = page * kv + (1 if kv > 1 else 0)
     return out
+
+
+def test_a_k_only_pool_exports_the_same_slot_for_k_and_v():
+    """kv_factor 1 (K only): there is no V slot, so the V entry must not point at the next page."""
+    mgr = make_mgr(window=None, p=4, max_seq_len=64, kv_factor=1)
+    req = LlmRequest(1, prompt_len=20)
+    run_prefill(mgr, req, 8)
+    for backend in ("python", "cpp"):
+        offsets = mgr.get_block_offsets([1], backend=backend)
+        assert torch.equal(offsets[:, :, 0], offsets[:, :, 1])
+    assert torch.equal(mgr.get_block_offsets([1], backend="python"), exported_expectation(mgr, [1]))
 
 
 def test_get_block_offsets_python_keeps_minus_one():

@@ -281,6 +281,7 @@ class KVCacheManagerV2:
         ids = list(request_ids)
         caches = [self.get_cache(rid) for rid in ids]
         kv = self.config.kv_factor
+        v_slot = 1 if kv > 1 else 0  # a K-only pool (kv_factor 1) has no separate V slot
         width = self.config.max_blocks_per_seq
         out = np.full((self.num_pools, len(ids), 2, width), BAD_PAGE_INDEX, dtype=np.int64)
         for b, cache in enumerate(caches):
@@ -291,14 +292,14 @@ class KVCacheManagerV2:
                         f"request {ids[b]} spans {row.size} blocks, more than max_blocks_per_seq={width}"
                     )
                 out[p, b, 0, : row.size] = np.where(row >= 0, row * kv, BAD_PAGE_INDEX)
-                out[p, b, 1, : row.size] = np.where(row >= 0, row * kv + 1, BAD_PAGE_INDEX)
+                out[p, b, 1, : row.size] = np.where(row >= 0, row * kv + v_slot, BAD_PAGE_INDEX)
         if backend == "cpp":
             for p, group in enumerate(self.layer_groups):
                 guard = group.pool.guard_page_index
                 fill = 0 if guard is None else guard * kv
                 sub = out[p]
                 sub[:, 0][sub[:, 0] < 0] = fill
-                sub[:, 1][sub[:, 1] < 0] = fill + 1
+                sub[:, 1][sub[:, 1] < 0] = fill + v_slot
         return torch.from_numpy(out.astype(np.int32))
 
     def check_accounting(self) -> None:
