@@ -12,7 +12,7 @@ setup(
     # Loose on purpose: pinning torch here would replace a CUDA build with a CPU one.
     install_requires=["torch", "triton", "numpy"],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "hypothesis"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "filelock"],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["draftkv=tensorrt_llm_draftkv.__main__:main"]},

@@ -133,6 +133,11 @@ def run_simulate(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         scenario = replace(scenario, runs=tuple(known[n] for n in args.runs))
+    if args.plot:
+        try:  # an optional extra: say so before a minute of simulation, not after
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("--plot needs matplotlib (pip install -e '.[plot]')") from None
     sizings = [MirrorSizing.HISTORY, MirrorSizing.LEGACY] if args.sizing == "both" else [MirrorSizing(args.sizing)]
     results = simulate(scenario, sizings, progress=args.progress or sys.stderr.isatty())
     print(format_table(results))

@@ -16,6 +16,7 @@ for each layer group g. A header with request_id -1 ends the stream.
 from __future__ import annotations
 
 import os
+import queue as _queue
 import socket
 import traceback
 from dataclasses import dataclass
@@ -209,12 +210,30 @@ def run_disaggregated(build: Callable[[int], Any], prompts: list[torch.Tensor], 
     for p in procs:
         p.start()
     results = {}
-    for _ in procs:
-        rank, value = queue.get()
-        results[rank] = value
-    for p in procs:
-        p.join()
-    for rank, value in results.items():
-        if isinstance(value, dict) and "crash" in value:
-            raise RuntimeError(f"disaggregated rank {rank} crashed:\n{value['crash']}")
+    failed = True
+    try:
+        while len(results) < len(procs):
+            try:
+                rank, value = queue.get(timeout=1.0)
+            except _queue.Empty:
+                # A rank that died before reporting (killed, crashed while starting)
+                # would leave the parent waiting forever; a rank that did report has
+                # flushed its result before exiting, so give the pipe one last chance.
+                gone = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+                if not gone:
+                    continue
+                try:
+                    rank, value = queue.get(timeout=5.0)
+                except _queue.Empty:
+                    codes = {r: procs[r].exitcode for r in gone}
+                    raise RuntimeError(f"disaggregated rank(s) {gone} exited without reporting (exit codes {codes})")
+            results[rank] = value
+            if isinstance(value, dict) and "crash" in value:
+                raise RuntimeError(f"disaggregated rank {rank} crashed:\n{value['crash']}")
+        failed = False
+    finally:
+        for p in procs:
+            if failed and p.is_alive():
+                p.terminate()  # its peer is gone: it would wait on the wire forever
+            p.join()
     return results[1]

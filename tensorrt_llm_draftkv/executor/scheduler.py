@@ -1,7 +1,10 @@
 """First-come-first-served scheduling with chunked prefill under a token budget.
 
 Generation requests go first (each costs 1 + its draft slots); context chunks
-fill the rest of the budget. A chunk is never cut short by the budget (only
+fill the rest of the budget. With `reserve_context_row`, one batch row stays
+free for a context chunk while a prompt waits, so new requests are not starved
+by generating ones (and, with fewer drafter slots than requests in flight,
+slots are evicted and reseeded). A chunk is never cut short by the budget (only
 the prompt's last chunk is shorter), so every prefill chunk starts at a
 multiple of the chunk size: the alignment the estimator's `chunk_alignment`
 relies on. A request whose next chunk does not fit waits for the next step.
@@ -21,6 +24,7 @@ class SchedulerConfig:
     max_batch_size: int = 8
     chunk_size: int = 8192
     max_draft_len: int = 7
+    reserve_context_row: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_tokens", "max_num_requests", "max_batch_size", "chunk_size"):
@@ -59,9 +63,13 @@ class Scheduler:
             k = self._rotation % len(generating)
             generating = generating[k:] + generating[:k]
             self._rotation += 1
+        gen_rows = self.config.max_batch_size
+        prompt_waiting = any(r.state == LlmRequestState.CONTEXT_INIT for r in self.active)
+        if self.config.reserve_context_row and prompt_waiting and gen_rows > 1:
+            gen_rows -= 1
         for req in generating:
             cost = 1 + self.config.max_draft_len
-            if len(batch.generation_requests) >= self.config.max_batch_size or cost > budget:
+            if len(batch.generation_requests) >= gen_rows or cost > budget:
                 break
             batch.generation_requests.append(req)
             budget -= cost

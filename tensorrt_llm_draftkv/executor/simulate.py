@@ -81,7 +81,14 @@ def draft_pages_per_request(setup: SimSetup) -> int:
     )
 
 
-def build_executor(setup: SimSetup, sizing: MirrorSizing | None, max_concurrency: int, drafter_slots: int) -> Executor:
+def build_executor(
+    setup: SimSetup,
+    sizing: MirrorSizing | None,
+    max_concurrency: int,
+    drafter_slots: int,
+    *,
+    reserve_context_row: bool = False,
+) -> Executor:
     """`sizing=None` builds the target-only reference (no draft pool, no drafter)."""
     device = setup.device
     target_cfg = KvCacheConfig(
@@ -103,6 +110,7 @@ def build_executor(setup: SimSetup, sizing: MirrorSizing | None, max_concurrency
             max_batch_size=min(max_concurrency, drafter_slots) if sizing is not None else max_concurrency,
             chunk_size=setup.chunk,
             max_draft_len=setup.max_draft_len if sizing is not None else 0,
+            reserve_context_row=reserve_context_row,
         )
     )
     draft = speculator = None

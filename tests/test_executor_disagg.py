@@ -1,0 +1,90 @@
+"""Disaggregated 1P1D over torch.distributed (gloo): two spawned ranks, small prompts.
+
+The long-prompt acceptance lives in test_executor_long.py; here a small run
+checks that the two-process path gives the target-only output, and that a rank
+that dies without reporting makes the parent raise instead of waiting forever.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import replace
+from functools import partial
+
+import pytest
+import torch
+
+from tensorrt_llm_draftkv.executor import RunSpec, SimSetup
+from tensorrt_llm_draftkv.executor.disagg import run_disaggregated
+from tensorrt_llm_draftkv.executor.simulate import run_one, target_only_outputs
+from tensorrt_llm_draftkv.manager.mirror_sizing import MirrorSizing
+
+SMALL = replace(
+    SimSetup(),
+    chunk=512,
+    target_window=256,
+    draft_window=256,
+    tokens_per_block=16,
+    max_new_tokens=64,
+    pool_requests=4,
+    max_seq_len=8192,
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_process(monkeypatch):
+    """One intra-op thread here and in spawned ranks: under `pytest -n 2` on two cores, more threads
+    per process oversubscribe the machine and slow these runs several-fold."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def reference_kernels(monkeypatch):
+    # spawned ranks inherit the environment: the kernels' torch reference, fast on CPU
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def test_two_process_run_equals_target_only():
+    spec = RunSpec("small-disagg", "disaggregated", (600, 900, 700), 2)
+    stats, seeds = run_one(SMALL, spec, MirrorSizing.HISTORY)
+    keys = list(zip(seeds, spec.prompts))
+    ref = target_only_outputs(SMALL, keys)
+    assert stats.finished == 3
+    assert stats.resize_failures == 0, stats.first_error
+    assert stats.foreign_page_accesses == 0
+    assert {keys[rid]: out for rid, out in stats.outputs.items()} == ref
+    # the same prompts aggregated give the same outputs
+    agg, _ = run_one(SMALL, replace(spec, mode="aggregated"), MirrorSizing.HISTORY)
+    assert agg.outputs == stats.outputs
+
+
+def _die_silently(rank: int):
+    """Rank 1 vanishes without reporting (as if killed); rank 0 just waits on its peer."""
+    if rank == 1:
+        os._exit(3)
+    time.sleep(300)
+
+
+def test_a_rank_that_dies_without_reporting_is_an_error_not_a_hang():
+    outcome: dict = {}
+
+    def call():
+        try:
+            run_disaggregated(partial(_die_silently), [torch.arange(8)], backend="gloo")
+        except BaseException as err:  # noqa: BLE001 - recorded for the assertion
+            outcome["error"] = err
+
+    started = time.monotonic()
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(timeout=90)
+    assert not thread.is_alive(), "run_disaggregated still waits for a rank that is gone"
+    err = outcome.get("error")
+    assert isinstance(err, RuntimeError), err
+    assert "exited without reporting" in str(err) and "1" in str(err)
+    assert time.monotonic() - started < 90
