@@ -11,7 +11,7 @@ from ..config import KvCacheConfig, SpeculativeDecodingMode
 from ..request import ContextView, LlmRequest
 from ..runtime import KVCache
 from . import mirror_sizing as rules
-from .diagnostics import KVCacheResizeError, resize_error
+from .diagnostics import KVCacheResizeError
 from .kv_cache_manager import KVCacheManagerV2
 
 
@@ -120,15 +120,13 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
     def _mirror_resize_error(
         self, req_id: int, phase: str, capacity: int, history: int | None
     ) -> KVCacheResizeError:
-        """The one place draft resize errors are built: what was asked, then every mirror."""
-        return resize_error(
-            label=self.error_label,
-            request_id=req_id,
-            phase=phase,
-            capacity=capacity,
-            history=history,
-            diagnostic=self.pool_diagnostic(),
-        )
+        """The one place draft resize errors (context and generation) are built.
+
+        `Draft KV cache <phase> resize failed for request N: could not resize to C
+        tokens (history H)`, then every live mirror's capacity, history and
+        logical blocks, the windows and the free pages per group.
+        """
+        return super()._resize_error(req_id, phase, capacity, history)
 
     def _resize_error(self, req_id: int, phase: str, capacity: int, history: int | None) -> KVCacheResizeError:
-        return self._mirror_resize_error(req_id, phase, capacity, history)
+        return self._mirror_resize_error(req_id, phase, capacity, history)  # every draft error goes through it
