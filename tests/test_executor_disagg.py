@@ -12,41 +12,15 @@ import time
 from dataclasses import replace
 from functools import partial
 
-import pytest
 import torch
 
-from tensorrt_llm_draftkv.executor import RunSpec, SimSetup
+from tensorrt_llm_draftkv.executor import RunSpec
 from tensorrt_llm_draftkv.executor.disagg import run_disaggregated
 from tensorrt_llm_draftkv.executor.simulate import run_one, target_only_outputs
 from tensorrt_llm_draftkv.manager.mirror_sizing import MirrorSizing
 
-SMALL = replace(
-    SimSetup(),
-    chunk=512,
-    target_window=256,
-    draft_window=256,
-    tokens_per_block=16,
-    max_new_tokens=64,
-    pool_requests=4,
-    max_seq_len=8192,
-)
-
-
-@pytest.fixture(autouse=True)
-def one_thread_per_process(monkeypatch):
-    """One intra-op thread here and in spawned ranks: under `pytest -n 2` on two cores, more threads
-    per process oversubscribe the machine and slow these runs several-fold."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def reference_kernels(monkeypatch):
-    # spawned ranks inherit the environment: the kernels' torch reference, fast on CPU
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+# The small geometry and the autouse fixtures (one thread, reference kernels) are shared.
+from executor_support import SMALL, one_thread_per_process, reference_kernels  # noqa: E402,F401
 
 
 def test_two_process_run_equals_target_only():
