@@ -16,15 +16,7 @@ from tensorrt_llm_draftkv.manager import KVCacheManagerV2
 from tensorrt_llm_draftkv.request import LlmRequest, ScheduledRequests
 from tensorrt_llm_draftkv.runtime import BAD_PAGE_INDEX
 
-@pytest.fixture(autouse=True)
-def one_thread_per_process(monkeypatch):
-    """One intra-op thread here and in spawned ranks: under `pytest -n 2` on two cores, more threads
-    per process oversubscribe the machine and slow these runs several-fold."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    yield
-    torch.set_num_threads(threads)
+from executor_support import one_thread_per_process  # noqa: E402,F401  (autouse)
 
 
 P = 16

@@ -377,6 +377,17 @@ class DFlashSpecMetadata:
         paired = bool(dm is not None and getattr(dm, "joint_kv_cache_reuse", False))
         page_aligned = True if arena else self._seed_is_page_aligned(dm)
         seeds: dict[int, SlotStart] = {}
+        def seed_generation(req: LlmRequest) -> rules.SlotStart:
+            # The row's absolute position is its history: the first position the slot stores.
+            return rules.generation_seed(
+                max(req.max_beam_num_tokens - 1, 0),
+                tokens_per_block=P,
+                max_ctx=self.max_ctx_len,
+                page_aligned=page_aligned,
+                private_arena=arena,
+                seeding=self.seeding,
+            )
+
         rows: list[Row] = []
         dummy_seeded = False
         restarted: list[int] = []  # existing slots restarted by a chunk that does not continue them
@@ -385,14 +396,7 @@ class DFlashSpecMetadata:
             if req.is_dummy:
                 slot = self.dummy_slot
                 if not dummy_seeded:
-                    start = rules.generation_seed(
-                        max(req.max_beam_num_tokens - 1, 0),
-                        tokens_per_block=P,
-                        max_ctx=self.max_ctx_len,
-                        page_aligned=page_aligned,
-                        private_arena=arena,
-                        seeding=self.seeding,
-                    )
+                    start = seed_generation(req)
                     ctx[slot], base[slot], off[slot] = start
                     seeds[rid] = start
                     dummy_seeded = True
@@ -424,14 +428,7 @@ class DFlashSpecMetadata:
                 proposing = view.position + view.chunk_size >= req.prompt_len
             else:
                 if fresh:
-                    start = rules.generation_seed(
-                        max(req.max_beam_num_tokens - 1, 0),
-                        tokens_per_block=P,
-                        max_ctx=self.max_ctx_len,
-                        page_aligned=page_aligned,
-                        private_arena=arena,
-                        seeding=self.seeding,
-                    )
+                    start = seed_generation(req)
                     ctx[slot], base[slot], off[slot] = start
                     seeds[rid] = start
                 proposing = True

@@ -196,11 +196,7 @@ class OwnershipChecker:
         self._check_owner("write", request_id, group, layers, ordinals, pages, owned_row)
         if not self.check_values:
             return
-        sh = self._shadow_for(request_id, group, kv)
-        pos = positions.to(device=sh.values.device, dtype=torch.int64)
-        sh.ensure(int(pos.max()) + 1)
-        sh.values[pos] = kv.to(sh.values.device)
-        sh.epoch[pos] = self._epoch.get(request_id, 0)
+        self._store_shadow(request_id, group, positions, kv, self._epoch.get(request_id, 0))
 
     def mark_reused(
         self, request_id: int, group: int, layers: list[int], positions: torch.Tensor, kv: torch.Tensor
@@ -208,11 +204,14 @@ class OwnershipChecker:
         """K/V a paired pool holds through block reuse: valid in every epoch."""
         if positions.numel() == 0:
             return
+        self._store_shadow(request_id, group, positions, kv, _REUSED)
+
+    def _store_shadow(self, request_id: int, group: int, positions: torch.Tensor, kv: torch.Tensor, epoch: int) -> None:
         sh = self._shadow_for(request_id, group, kv)
         pos = positions.to(device=sh.values.device, dtype=torch.int64)
         sh.ensure(int(pos.max()) + 1)
         sh.values[pos] = kv.to(sh.values.device)
-        sh.epoch[pos] = _REUSED
+        sh.epoch[pos] = epoch
 
     def record_read(
         self,
