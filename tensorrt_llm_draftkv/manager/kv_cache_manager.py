@@ -138,7 +138,12 @@ class KVCacheManagerV2:
 
     # -- resizing -----------------------------------------------------------------
     def _new_cache(self, request_id: int) -> KVCache:
-        return KVCache(self.layer_groups, self.tokens_per_block, name=f"{self.error_label} request {request_id}")
+        return KVCache(
+            self.layer_groups,
+            self.tokens_per_block,
+            name=f"{self.error_label} request {request_id}",
+            owner=request_id,
+        )
 
     def _resize_or_raise(
         self, req: LlmRequest, phase: str, sizing

@@ -27,12 +27,21 @@ def _ceil_div(a: int, b: int) -> int:
 class KVCache:
     """capacity / history / committed with real pages, resized all-or-nothing."""
 
-    def __init__(self, groups: list[LayerGroup], tokens_per_block: int, name: str = "") -> None:
+    def __init__(
+        self,
+        groups: list[LayerGroup],
+        tokens_per_block: int,
+        name: str = "",
+        *,
+        owner: object | None = None,
+    ) -> None:
+        """`owner` (a request id, say) is named in every pool call, so pool listeners know whose pages move."""
         if tokens_per_block < 1:
             raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
         self.groups = groups
         self.tokens_per_block = tokens_per_block
         self.name = name
+        self.owner = owner
         self.capacity = 0
         self.history_length = 0
         self.committed = 0
@@ -81,10 +90,10 @@ class KVCache:
         # Release everything first: groups may share one pool, and one group's
         # growth may then need the pages another group gives back.
         for g, (_, release, _, _) in enumerate(plans):
-            self.groups[g].pool.release(release)
+            self.groups[g].pool.release(release, owner=self.owner)
         for g, (row, release, allocate, settled) in enumerate(plans):
             pool = self.groups[g].pool
-            for ordinal, page in zip(allocate, pool.allocate(len(allocate))):
+            for ordinal, page in zip(allocate, pool.allocate(len(allocate), owner=self.owner)):
                 row[ordinal] = page
             self._rows[g] = row
             self._settled[g] = settled
@@ -162,7 +171,7 @@ class KVCache:
         if self.closed:
             raise ValueError(f"cache {self.name!r} was already freed")
         for g, row in enumerate(self._rows):
-            self.groups[g].pool.release([p for p in row if p != BAD_PAGE_INDEX])
+            self.groups[g].pool.release([p for p in row if p != BAD_PAGE_INDEX], owner=self.owner)
             self._rows[g] = []
             self._settled[g] = 0
         self.capacity = self.history_length = self.committed = 0
@@ -182,8 +191,8 @@ class KVCache:
         for g, (now, then) in enumerate(zip(self._rows, rows)):
             held_now = {p for p in now if p != BAD_PAGE_INDEX}
             held_then = {p for p in then if p != BAD_PAGE_INDEX}
-            self.groups[g].pool.release(sorted(held_now - held_then))
-            self.groups[g].pool.take(sorted(held_then - held_now))
+            self.groups[g].pool.release(sorted(held_now - held_then), owner=self.owner)
+            self.groups[g].pool.take(sorted(held_then - held_now), owner=self.owner)
         self._rows = [list(r) for r in rows]
         self._settled = list(settled)
         self.capacity, self.history_length, self.committed = capacity, history, committed

@@ -1,6 +1,8 @@
 """Physical pages of one layer group: real storage, a free list, exact accounting."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 BAD_PAGE_INDEX = -1
@@ -11,6 +13,10 @@ class OutOfPagesError(RuntimeError):
     pass
 
 
+PoolListener = Callable[[str, "list[int]", object], None]
+"""`fn(event, pages, owner)`: event is "allocate" or "release", pages are page indices of the pool."""
+
+
 class PagePool:
     """`num_pages` pages of `tokens_per_block` token slots for every layer of a group.
 
@@ -18,6 +24,11 @@ class PagePool:
     `guard_page`, one extra page (index `num_pages`) is reserved: it is never
     handed out and is not counted in `total`, so unbacked entries can point at it
     instead of at a page some request owns.
+
+    Listeners (`add_listener`) hear every successful `allocate` and `take`
+    (event "allocate") and `release` (event "release") of at least one page,
+    after the pool changed, with the pages and the `owner` the caller named
+    (None if it named none).
     """
 
     def __init__(
@@ -50,6 +61,22 @@ class PagePool:
         # Popped from the end: the lowest page first on a fresh pool, most recently freed next.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._held: set[int] = set()
+        self._listeners: list[PoolListener] = []
+
+    # -- listeners ----------------------------------------------------------------
+    def add_listener(self, fn: PoolListener) -> None:
+        """Call `fn(event, pages, owner)` after every successful allocate/take/release."""
+        self._listeners.append(fn)
+
+    def remove_listener(self, fn: PoolListener) -> None:
+        """Stop calling `fn` (ValueError if it was never added)."""
+        self._listeners.remove(fn)
+
+    def _emit(self, event: str, pages: list[int], owner: object | None) -> None:
+        if not pages:  # an empty call changes nothing, so nobody hears it
+            return
+        for fn in list(self._listeners):
+            fn(event, list(pages), owner)
 
     @property
     def num_free(self) -> int:
@@ -62,18 +89,34 @@ class PagePool:
     def is_held(self, page: int) -> bool:
         return page in self._held
 
-    def allocate(self, count: int) -> list[int]:
-        """Hand out `count` pages, all or none."""
+    def allocate(self, count: int, *, owner: object | None = None) -> list[int]:
+        """Hand out `count` pages, all or none; listeners hear "allocate" with `owner`."""
         if count < 0:
             raise ValueError(f"cannot allocate a negative number of pages ({count})")
         if count > len(self._free):
             raise OutOfPagesError(f"asked for {count} pages, {len(self._free)} free of {self.total}")
         pages = [self._free.pop() for _ in range(count)]
         self._held.update(pages)
+        self._emit("allocate", pages, owner)
         return pages
 
-    def take(self, pages: list[int]) -> None:
-        """Claim these particular free pages, all or none (used to undo a release)."""
+    def free_order(self) -> list[int]:
+        """The free list in allocation order (last is handed out first), for `reorder_free`."""
+        return list(self._free)
+
+    def reorder_free(self, order: list[int]) -> None:
+        """Put the free list back in an earlier order; it must hold exactly the same pages."""
+        if len(order) != len(self._free) or set(order) != set(self._free):
+            raise ValueError(
+                f"reorder_free needs the same free pages: {len(order)} given, {len(self._free)} free"
+            )
+        self._free = list(order)
+
+    def take(self, pages: list[int], *, owner: object | None = None) -> None:
+        """Claim these particular free pages, all or none (used to undo a release).
+
+        Listeners hear "allocate" with `owner`: the pages are held again.
+        """
         busy = [p for p in pages if p in self._held]
         if busy or len(set(pages)) != len(pages):
             raise ValueError(f"cannot take pages that are held (or repeated): {sorted(set(busy)) or pages}")
@@ -83,15 +126,20 @@ class PagePool:
         wanted = set(pages)
         self._free = [p for p in self._free if p not in wanted]
         self._held.update(pages)
+        self._emit("allocate", pages, owner)
 
-    def release(self, pages: list[int]) -> None:
-        """Return pages to the free list; every one must be held (no double free)."""
+    def release(self, pages: list[int], *, owner: object | None = None) -> None:
+        """Return pages to the free list; every one must be held (no double free).
+
+        Listeners hear "release" with `owner`.
+        """
         bad = [p for p in pages if p not in self._held]
         if bad or len(set(pages)) != len(pages):
             raise ValueError(f"release of pages not held (or repeated): {sorted(set(bad)) or pages}")
         for page in pages:
             self._held.remove(page)
             self._free.append(page)
+        self._emit("release", pages, owner)
 
     def check_accounting(self) -> None:
         """held + free == total, and no page is both."""

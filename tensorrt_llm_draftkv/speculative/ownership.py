@@ -1,14 +1,28 @@
 """OwnershipChecker: did the drafter touch only its own pages, and read back what it stored?
 
-Invariant 1 (DESIGN.md §3): every block-table entry a drafter reads or writes
-is a page its own request holds. An access is *owned* when the entry the
-drafter used resolves to the very page the request's mirror holds at that
-ordinal (``draft_manager.get_cache(rid).block_row(group)[ordinal]``); anything
-else — another request's page, page 0 or the guard page behind an unbacked
-entry in the ``"cpp"`` export, a ``-1`` entry in the ``"python"`` export — is a
-*foreign page access*. Accesses through an ordinal the request's row does not
-back are also counted as ``unbacked_accesses`` (the "read released entries"
-case).
+Invariant 1: every block-table entry a drafter reads or writes is a page its
+own request holds. The checker does not take the request's row as the truth:
+the row is what the block-offset export is built from, so an allocator bug
+that put one page into two rows would look owned from either row. Instead it
+keeps its own *owner map*, ``owner_of[(group, page)] -> request id``, fed by
+the allocate and release events of every pool of the draft manager (the pools
+name the owner the cache passed, the request id). An access is *owned* when
+the page the drafter used is the page the request's row holds at that ordinal
+(``draft_manager.get_cache(rid).block_row(group)[ordinal]``) **and** the map
+says the request owns that page; anything else — another request's page, page
+0 or the guard page behind an unbacked entry in the ``"cpp"`` export, a ``-1``
+entry in the ``"python"`` export, a row entry the map gives to someone else —
+is a *foreign page access*. Accesses through an ordinal the request's row does
+not back are also counted as ``unbacked_accesses`` (the "read released
+entries" case). With no draft manager (a private arena passes ``owned_row``),
+the given row is the truth, as before.
+
+The map is checked on its own too: an allocation of a page the map already has
+as held (a page handed out twice), or a release by someone the map does not
+have as the page's owner, is an ``accounting_error``, and so is every mismatch
+found by :meth:`check_accounting` (map vs. pool counts), :meth:`check_rows`
+(live rows vs. map) and :meth:`check_export` (an exported block-offset tensor
+vs. map). The map holds live pages only; :meth:`detach` unsubscribes.
 
 Invariant 2: a slot reads exactly what it stored. The checker keeps a dense
 per-request shadow copy of every K/V the drafter stored, by slot position and
@@ -25,10 +39,17 @@ drafter); otherwise the executor reads ``foreign_page_accesses`` /
 """
 from __future__ import annotations
 
+import weakref
+from typing import Iterable
+
+import numpy as np
 import torch
+
+from ..runtime.page_pool import BAD_PAGE_INDEX, PagePool
 
 _NEVER = -1
 _REUSED = -2
+_FREE = object()  # the owner map's answer for a page nobody holds
 
 
 class OwnershipViolation(AssertionError):
@@ -54,7 +75,14 @@ class _Shadow:
 
 
 class OwnershipChecker:
-    """Counts foreign page accesses and stale reads of a drafter against its draft manager."""
+    """Counts foreign page accesses, stale reads and accounting errors of a drafter against its draft manager.
+
+    Built with a draft manager, it subscribes to the pool of every layer group
+    (``draft_manager.layer_groups[g].pool``) and learns the pages live caches
+    already hold from their rows (the only record there is before it listens).
+    Group indices below are the manager's layer-group indices; pages are page
+    indices of that group's pool.
+    """
 
     def __init__(
         self,
@@ -71,7 +99,17 @@ class OwnershipChecker:
         self.reset_counters()
         self._shadow: dict[tuple[int, int], _Shadow] = {}  # (request, pool) -> [pos, layers, 2, H, D]
         self._epoch: dict[int, int] = {}
-        self._row_cache: dict[tuple, torch.Tensor] = {}
+        self._row_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # The owner map: (group, page) -> owner, live pages only; `_owned` indexes it by (owner, group).
+        self.owner_of: dict[tuple[int, int], object] = {}
+        self._owned: dict[tuple[object, int], set[int]] = {}
+        self._map_version = 0  # bumped by every pool event (keys the row cache)
+        self._pending: str | None = None  # a violation seen inside a pool event, raised at the next hook
+        # Group -> the group whose key the map uses for that pool (groups may share one pool).
+        self._group_key: list[int] = []
+        self._listeners: list[tuple[PagePool, object]] = []
+        if draft_manager is not None:
+            self._subscribe(draft_manager)
 
     def reset_counters(self) -> None:
         self.reads = 0
@@ -81,11 +119,14 @@ class OwnershipChecker:
         self.foreign_page_writes = 0
         self.unbacked_accesses = 0
         self.stale_reads = 0
+        self.accounting_errors = 0
+        self.foreign_row_entries = 0
+        self.foreign_export_entries = 0
         self.messages: list[str] = []
 
     @property
     def violations(self) -> int:
-        return self.foreign_page_accesses + self.stale_reads
+        return self.foreign_page_accesses + self.stale_reads + self.accounting_errors
 
     def attach(self, metadata) -> "OwnershipChecker":
         """Follow a :class:`DFlashSpecMetadata`: slot losses and restarts open a new epoch."""
@@ -103,21 +144,257 @@ class OwnershipChecker:
         """Drop everything known about a request (a finished dummy, say)."""
         self.on_release(request_id, "free")
 
+    # ------------------------------------------------------------------ the owner map
+    def _subscribe(self, dm) -> None:
+        """Listen to every pool of `dm` (once per pool) and learn the pages live caches hold now."""
+        first: dict[int, int] = {}
+        for g, group in enumerate(dm.layer_groups):
+            pool = group.pool
+            key = first.setdefault(id(pool), g)
+            self._group_key.append(key)
+            if key == g:
+                listener = _PoolListener(self, pool, key)
+                pool.add_listener(listener)
+                self._listeners.append((pool, listener))
+        for rid in dm.request_ids():
+            cache = dm.get_cache(rid)
+            for g in range(len(self._group_key)):
+                self._claim(g, cache.held_pages(g), rid, "held when the checker was built")
+
+    def detach(self) -> None:
+        """Stop following the pools and drop the owner map (idempotent).
+
+        A detached checker with a draft manager finds no page owned: use it
+        only for reporting afterwards.
+        """
+        for pool, listener in self._listeners:
+            pool.remove_listener(listener)
+        self._listeners.clear()
+        self.owner_of.clear()
+        self._owned.clear()
+        self._map_version += 1
+        self._row_cache.clear()
+
+    @property
+    def attached(self) -> bool:
+        """Whether the checker follows its draft manager's pools."""
+        return bool(self._listeners)
+
+    def owned_pages(self, request_id: object, group: int) -> list[int]:
+        """Pages of layer group `group`'s pool that the owner map gives to `request_id`, ascending."""
+        return sorted(self._owned.get((request_id, self._key(group)), ()))
+
+    def _key(self, group: int) -> int:
+        return self._group_key[group] if 0 <= group < len(self._group_key) else group
+
+    def _on_pool_event(self, key: int, event: str, pages: list[int], owner: object | None) -> None:
+        """A pool of group `key` allocated (or took back) or released `pages` for `owner`."""
+        self._map_version += 1
+        if event == "allocate":
+            self._claim(key, pages, owner, "allocated")
+        elif event == "release":
+            self._drop(key, pages, owner)
+        else:
+            raise ValueError(f"unknown pool event {event!r}")
+
+    def _claim(self, group: int, pages: list[int], owner: object, how: str) -> None:
+        key = self._key(group)
+        for page in pages:
+            held_by = self.owner_of.get((key, page), _FREE)
+            if held_by is not _FREE:
+                # Keep the first owner: the second holder's accesses are then the foreign ones.
+                self._accounting_error(
+                    f"group {key}: page {page} {how} for {owner!r} while the owner map has it held by "
+                    f"{held_by!r} (one page held twice)"
+                )
+                continue
+            self.owner_of[(key, page)] = owner
+            self._owned.setdefault((owner, key), set()).add(page)
+
+    def _drop(self, key: int, pages: list[int], owner: object) -> None:
+        for page in pages:
+            held_by = self.owner_of.pop((key, page), _FREE)
+            if held_by is _FREE:
+                self._accounting_error(
+                    f"group {key}: page {page} released by {owner!r} but the owner map has it free"
+                )
+                continue
+            self._owned[(held_by, key)].discard(page)
+            if not self._owned[(held_by, key)]:
+                del self._owned[(held_by, key)]
+            if held_by != owner:
+                self._accounting_error(
+                    f"group {key}: page {page} released by {owner!r} but the owner map has it held by {held_by!r}"
+                )
+
+    def _accounting_error(self, text: str, count: int = 1, *, now: bool = False) -> None:
+        """Count `count` accounting errors; inside a pool event (`now` False) a raise waits for the next hook."""
+        self.accounting_errors += count
+        if now:
+            self._note(text)
+            return
+        if len(self.messages) < self.max_messages:
+            self.messages.append(text)
+        if self.raise_on_violation and self._pending is None:
+            self._pending = text
+
+    def _raise_pending(self) -> None:
+        if self._pending is not None:
+            text, self._pending = self._pending, None
+            raise OwnershipViolation(text)
+
+    def check_accounting(self) -> int:
+        """Per pool: pages the owner map holds == ``pool.total - pool.num_free``. Returns the mismatches found."""
+        self._raise_pending()
+        held: dict[int, int] = {}
+        for key, _ in self.owner_of:
+            held[key] = held.get(key, 0) + 1
+        found = 0
+        for pool, listener in self._listeners:
+            key = listener.key
+            in_use = pool.total - pool.num_free
+            if held.get(key, 0) != in_use:
+                found += 1
+                self._accounting_error(
+                    f"pool of group {key}: the owner map holds {held.get(key, 0)} page(s) but the pool has "
+                    f"{in_use} in use (total {pool.total} - free {pool.num_free})",
+                    now=True,
+                )
+        return found
+
+    def check_rows(self) -> int:
+        """Every backed entry of every live cache's row is a page the owner map gives to that request,
+        no page is in two entries, and every page the map gives to a request is in its row.
+
+        Row entries that fail count as ``foreign_row_entries``; every failure is an
+        accounting error. Returns the failures found.
+        """
+        self._raise_pending()
+        dm = self.draft_manager
+        if dm is None:
+            return 0
+        found = 0
+        seen: dict[tuple[int, int], tuple[object, int, int]] = {}  # entries the map agrees with
+        for rid in dm.request_ids():
+            cache = dm.get_cache(rid)
+            for g in range(len(self._group_key)):
+                key = self._key(g)
+                for ordinal, page in enumerate(cache.block_row(g)):
+                    if page == BAD_PAGE_INDEX:
+                        continue
+                    held_by = self.owner_of.get((key, page), _FREE)
+                    first = seen.get((key, page)) if held_by == rid else None
+                    if held_by == rid and first is None:
+                        seen[(key, page)] = (rid, g, ordinal)
+                        continue
+                    found += 1
+                    self.foreign_row_entries += 1
+                    why = (
+                        f"which its row already holds at group {first[1]} ordinal {first[2]}"
+                        if first is not None
+                        else "which the owner map has " + ("free" if held_by is _FREE else f"held by {held_by!r}")
+                    )
+                    self._accounting_error(
+                        f"row of request {rid} group {g}: ordinal {ordinal} -> page {page}, {why}", now=True
+                    )
+        for (key, page), owner in list(self.owner_of.items()):
+            if (key, page) in seen:
+                continue
+            found += 1
+            self._accounting_error(
+                f"group {key}: the owner map has page {page} held by {owner!r}, but "
+                + (
+                    "no row of it holds the page (a leaked page)"
+                    if dm.has_cache(owner)
+                    else "that owner has no live cache (a leaked page)"
+                ),
+                now=True,
+            )
+        return found
+
+    def check_export(self, request_ids: Iterable[int], offsets: torch.Tensor, backend: str = "cpp") -> int:
+        """Every entry of an exported block-offset tensor that is not an unbacked placeholder is a page
+        the owner map gives to that entry's request.
+
+        ``offsets`` is ``[num_pools, B, 2, M]`` as ``get_block_offsets(request_ids, backend)`` returns:
+        entry ``[p, b, k, i]`` is ``page * kv_factor + k`` (k = 0 for K, the V slot for V) for block
+        ordinal i of request b in pool p. An entry is a placeholder where the request's row does not back
+        ordinal i and the entry holds the backend's fill: -1 (``"python"``) or page 0's / the guard
+        page's offset (``"cpp"``). Failing entries count as ``foreign_export_entries`` and as
+        accounting errors. Returns the failures found.
+        """
+        self._raise_pending()
+        if backend not in ("cpp", "python"):
+            raise ValueError(f"unknown block-offset backend {backend!r}; use 'cpp' or 'python'")
+        dm = self.draft_manager
+        if dm is None:
+            raise ValueError("check_export needs the checker's draft manager")
+        ids = list(request_ids)
+        num_groups = len(self._group_key)
+        if offsets.dim() != 4 or offsets.shape[0] != num_groups or offsets.shape[1] != len(ids) or offsets.shape[2] != 2:
+            raise ValueError(
+                f"block offsets must be [num_pools={num_groups}, B={len(ids)}, 2, M], got {tuple(offsets.shape)}"
+            )
+        kv = dm.config.kv_factor
+        v_slot = 1 if kv > 1 else 0
+        table = offsets.detach().to("cpu", torch.int64).numpy()
+        width = table.shape[-1]
+        found = 0
+        for g in range(num_groups):
+            key = self._key(g)
+            guard = dm.layer_groups[g].pool.guard_page_index
+            base = 0 if guard is None else guard * kv
+            fills = (-1, -1) if backend == "python" else (base, base + v_slot)
+            for b, rid in enumerate(ids):
+                row = np.asarray(dm.get_cache(rid).block_row(g) if dm.has_cache(rid) else [], dtype=np.int64)[:width]
+                backed = np.zeros(width, dtype=bool)
+                backed[: row.size] = row != BAD_PAGE_INDEX
+                owned = np.fromiter(self._owned.get((rid, key), ()), dtype=np.int64)
+                for k in (0, 1):
+                    entries = table[g, b, k]
+                    check = backed | (entries != fills[k])
+                    pages = np.floor_divide(entries, kv)
+                    bad = check & ((entries < 0) | ~np.isin(pages, owned))
+                    n_bad = int(bad.sum())
+                    if not n_bad:
+                        continue
+                    found += n_bad
+                    self.foreign_export_entries += n_bad
+                    i = int(np.flatnonzero(bad)[0])
+                    page = int(pages[i])
+                    held_by = self.owner_of.get((key, page), _FREE)
+                    self._accounting_error(
+                        f"export of request {rid} pool {g} ({'KV'[k]}): {n_bad} entr(ies) on pages it does not own, "
+                        f"e.g. ordinal {i} -> offset {int(entries[i])} (page {page}, which the owner map has "
+                        + ("free" if held_by is _FREE else f"held by {held_by!r}")
+                        + f"; its row {'backs' if backed[i] else 'does not back'} that ordinal)",
+                        n_bad,
+                        now=True,
+                    )
+        return found
+
     # ------------------------------------------------------------------ internals
-    def _owned_row(self, request_id: int, group: int, device) -> torch.Tensor:
-        """The request's mirror row right now (cached while the cache is not resized)."""
+    def _owned_row(self, request_id: int, group: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's mirror row right now, and per ordinal whether the owner map gives that page to it.
+
+        Cached while neither the cache's size nor the owner map changes.
+        """
         dm = self.draft_manager
         if dm is None or not dm.has_cache(request_id):
-            return torch.zeros(0, dtype=torch.int64, device=device)
+            empty = torch.zeros(0, dtype=torch.int64, device=device)
+            return empty, empty.bool()
         cache = dm.get_cache(request_id)
-        key = (request_id, group, id(cache), cache.capacity, cache.history_length, str(device))
-        row = self._row_cache.get(key)
-        if row is None:
+        key = (request_id, group, id(cache), cache.capacity, cache.history_length, self._map_version, str(device))
+        hit = self._row_cache.get(key)
+        if hit is None:
             if len(self._row_cache) > 256:
                 self._row_cache.clear()
-            row = torch.tensor(cache.block_row(group), dtype=torch.int64).to(device)
-            self._row_cache[key] = row
-        return row
+            pages = cache.block_row(group)
+            mine = self._owned.get((request_id, self._key(group)), ())
+            row = torch.tensor(pages, dtype=torch.int64).to(device)
+            owned = torch.tensor([p in mine for p in pages], dtype=torch.bool).to(device)
+            hit = self._row_cache[key] = (row, owned)
+        return hit
 
     def _note(self, text: str) -> None:
         if len(self.messages) < self.max_messages:
@@ -142,20 +419,32 @@ class OwnershipChecker:
         pages: torch.Tensor,
         owned_row: torch.Tensor | None,
     ) -> int:
+        """Count the accesses of ``pages[i]`` through ``ordinals[i]`` of pool ``group`` that are not owned.
+
+        With ``owned_row`` (a private arena) an access is owned iff the page is what that row holds at the
+        ordinal; otherwise also the owner map must give the page to ``request_id``.
+        """
+        self._raise_pending()
         ordinals = ordinals.to(torch.int64)
         pages = pages.to(torch.int64)
-        row = (
-            owned_row.to(device=pages.device, dtype=torch.int64)
-            if owned_row is not None
-            else self._owned_row(request_id, group, pages.device)
-        )
+        if owned_row is not None:
+            row = owned_row.to(device=pages.device, dtype=torch.int64)
+            row_owned = None
+        else:
+            row, row_owned = self._owned_row(request_id, group, pages.device)
         if row.numel():
             inside = (ordinals >= 0) & (ordinals < row.numel())
-            expected = torch.where(inside, row[torch.where(inside, ordinals, 0)], -1)
+            at = torch.where(inside, ordinals, 0)
+            expected = torch.where(inside, row[at], -1)
         else:
+            inside = torch.zeros_like(ordinals, dtype=torch.bool)
+            at = ordinals
             expected = torch.full_like(ordinals, -1)
         unbacked = expected < 0
         bad = unbacked | (pages != expected)
+        if row_owned is not None:
+            mapped = row_owned[at] & inside if row.numel() else inside
+            bad = bad | ~mapped
         n_bad = int(bad.sum())
         if n_bad:
             n_unbacked = int(unbacked.sum())
@@ -167,10 +456,15 @@ class OwnershipChecker:
                 self.foreign_page_writes += n_bad * per_layer
             self.unbacked_accesses += n_unbacked * per_layer
             i = int(bad.nonzero()[0])
+            page = int(pages[i])
+            held = ""
+            if row_owned is not None:
+                held_by = self.owner_of.get((self._key(group), page), _FREE)
+                held = "; the owner map has that page " + ("free" if held_by is _FREE else f"held by {held_by!r}")
             self._note(
                 f"request {request_id} layers {layers} (group {group}): {what} of {n_bad} token(s) through "
-                f"entries it does not own, e.g. ordinal {int(ordinals[i])} -> page {int(pages[i])} "
-                f"(its row has {int(expected[i])} there; {n_unbacked} unbacked)"
+                f"entries it does not own, e.g. ordinal {int(ordinals[i])} -> page {page} "
+                f"(its row has {int(expected[i])} there; {n_unbacked} unbacked{held})"
             )
         return n_bad
 
@@ -261,6 +555,9 @@ class OwnershipChecker:
             "foreign_page_writes": self.foreign_page_writes,
             "unbacked_accesses": self.unbacked_accesses,
             "stale_reads": self.stale_reads,
+            "accounting_errors": self.accounting_errors,
+            "foreign_row_entries": self.foreign_row_entries,
+            "foreign_export_entries": self.foreign_export_entries,
         }
 
     def assert_clean(self) -> None:
@@ -268,6 +565,24 @@ class OwnershipChecker:
             raise OwnershipViolation(
                 f"ownership violations: {self.summary()}\n" + "\n".join(self.messages[:10])
             )
+
+
+class _PoolListener:
+    """Forwards one pool's events to a checker, holding it weakly (a dropped checker unsubscribes)."""
+
+    def __init__(self, checker: OwnershipChecker, pool: PagePool, key: int) -> None:
+        self._checker = weakref.ref(checker)
+        self._pool = weakref.ref(pool)
+        self.key = key
+
+    def __call__(self, event: str, pages: list[int], owner: object | None) -> None:
+        checker = self._checker()
+        if checker is None:
+            pool = self._pool()
+            if pool is not None:
+                pool.remove_listener(self)
+            return
+        checker._on_pool_event(self.key, event, pages, owner)
 
 
 __all__ = ["OwnershipChecker", "OwnershipViolation"]
