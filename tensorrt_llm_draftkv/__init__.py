@@ -3,7 +3,7 @@
 See README.md for what the package fixes and how an executor uses it.
 """
 from .config import KvCacheConfig, LayerGroupConfig, SpeculativeDecodingMode
-from .manager import DraftKVCacheManagerV2, KVCacheManagerV2, KVCacheResizeError, MirrorSizing
+from .manager import DraftKVCacheManagerV2, KVCacheManagerV2, KVCacheResizeError, MirrorSizing, MissingKVCacheError
 from .request import LlmRequest, LlmRequestState, ScheduledRequests, request_context
 from .runtime import BAD_PAGE_INDEX
 from .speculative import DFlashSpecMetadata
@@ -15,6 +15,7 @@ __all__ = [
     "KVCacheManagerV2",
     "MirrorSizing",
     "KVCacheResizeError",
+    "MissingKVCacheError",
     "KvCacheConfig",
     "LayerGroupConfig",
     "LlmRequest",

@@ -65,8 +65,8 @@ def test_restore_undoes_random_resize_sequences_in_reverse_order():
         mgr = KVCacheManagerV2(_config((48, 48)))
         caches = []
         for rid in range(3):
-            req = LlmRequest(rid, prompt_len=1, state=LlmRequestState.GENERATION_IN_PROGRESS)
-            mgr.prepare_resources(ScheduledRequests(generation_requests=[req]))
+            req = LlmRequest(rid, prompt_len=1)
+            mgr.prepare_resources(ScheduledRequests(context_requests=[req]))
             caches.append(mgr.get_cache(rid))
         before = _state(mgr)
         done = []

@@ -281,9 +281,9 @@ def test_add_dummy_requests_history_hint_backs_only_the_window():
     # without a hint: every block of the windowed group is backed
     mgr.add_dummy_requests([102], [40])
     assert mgr.get_cache(102).num_held_pages(0) == 10
-    # a hint past the capacity is clamped
+    # a hint past the dummy's own position (tokens - 1) is clamped there
     mgr.add_dummy_requests([103], [10], history_hint=50)
-    assert (mgr.get_cache(103).capacity, mgr.get_cache(103).history_length) == (10, 10)
+    assert (mgr.get_cache(103).capacity, mgr.get_cache(103).history_length) == (10, 9)
     check_rows(mgr, 103)
     ctx = mgr.add_dummy_requests([104], [3], is_gen=False)
     assert ctx[0].state == LlmRequestState.CONTEXT_INIT

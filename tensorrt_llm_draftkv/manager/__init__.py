@@ -1,7 +1,7 @@
 """Policy over the runtime: the target manager, the draft manager, sizing rules, estimators."""
-from .diagnostics import KVCacheResizeError
+from .diagnostics import KVCacheResizeError, MissingKVCacheError
 from .draft_kv_cache_manager import DraftKVCacheManagerV2
 from .kv_cache_manager import KVCacheManagerV2
 from .mirror_sizing import MirrorPolicy, MirrorSizing
 
-__all__ = ["DraftKVCacheManagerV2", "KVCacheManagerV2", "KVCacheResizeError", "MirrorPolicy", "MirrorSizing"]
+__all__ = ["DraftKVCacheManagerV2", "KVCacheManagerV2", "KVCacheResizeError", "MissingKVCacheError", "MirrorPolicy", "MirrorSizing"]

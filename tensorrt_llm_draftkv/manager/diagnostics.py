@@ -17,6 +17,21 @@ class KVCacheResizeError(RuntimeError):
         self.history = history
 
 
+class MissingKVCacheError(KeyError):
+    """A call named requests that hold no cache; nothing was changed.
+
+    A KeyError (as an unknown id is), printed as its plain message.
+    """
+
+    def __init__(self, message: str, *, request_ids: list[int]) -> None:
+        super().__init__(message)
+        self.message = message
+        self.request_ids = request_ids
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def pool_diagnostic(
     caches: Mapping[int, KVCache], windows: tuple[int | None, ...], free_pages: tuple[int, ...], total_pages: tuple[int, ...]
 ) -> str:

@@ -7,9 +7,12 @@ token positions, like the target cache.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..config import KvCacheConfig, SpeculativeDecodingMode
 from ..request import ContextView, LlmRequest
 from ..runtime import KVCache
+from . import admission
 from . import mirror_sizing as rules
 from .diagnostics import KVCacheResizeError
 from .kv_cache_manager import KVCacheManagerV2
@@ -19,6 +22,7 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
     """Draft mirrors for one speculative mode, sized by the `history` or `legacy` rules."""
 
     error_label = "Draft KV cache"
+    missing_label = "draft KV cache"
 
     def __init__(
         self,
@@ -72,6 +76,8 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
 
     # -- sizing -------------------------------------------------------------------
     def _context_sizing(self, req: LlmRequest, cache: KVCache) -> tuple[int, int | None]:
+        if not self.is_draft:  # a target manager sizes the same whatever drafter runs
+            return super()._context_sizing(req, cache)
         view = self._mirror_view(req)
         is_last = view.position + view.chunk_size >= req.prompt_len
         capacity = rules.context_capacity(
@@ -87,9 +93,12 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
     @property
     def _disagg_gen_init_phase(self) -> str:
         """Legacy sizes a generation-init mirror as a whole-prompt context chunk, and says so."""
-        return "context" if self.sizing is rules.MirrorSizing.LEGACY else "generation"
+        legacy_mirror = self.is_draft and self.sizing is rules.MirrorSizing.LEGACY
+        return "context" if legacy_mirror else "generation"
 
     def _disagg_gen_init_sizing(self, req: LlmRequest, cache: KVCache) -> tuple[int, int | None]:
+        if not self.is_draft:
+            return super()._disagg_gen_init_sizing(req, cache)
         return rules.disagg_gen_init_sizing(
             self.policy,
             prompt_len=req.prompt_len,
@@ -100,6 +109,8 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
 
     def _dummy_history(self, history_hint: int | None) -> int | None:
         """The fix gives a warmup dummy's mirror the target's `history_hint`; legacy drops it."""
+        if not self.is_draft:
+            return super()._dummy_history(history_hint)
         return rules.dummy_history(self.policy, history_hint)
 
     # -- admission and errors -------------------------------------------------------
@@ -116,6 +127,54 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
         else:
             capacity, history = self._generation_sizing(req, cache)
         return cache.can_resize(capacity, history)
+
+    def pages_per_request_charge(
+        self, chunk: int, *, max_seq_len: int | None = None, aligned: bool = True
+    ) -> tuple[int, ...]:
+        """Pages per layer group the estimator charges one request in this pool.
+
+        With this pool's trail tokens, drafts, extra tokens and sinks, and
+        `config.max_seq_len` unless given. `aligned`: chunks start at multiples of
+        `chunk` from position 0 (see `admission.request_charge`).
+        """
+        return admission.request_charge(
+            self.config.layer_groups,
+            self.tokens_per_block,
+            chunk=chunk,
+            max_seq_len=self.config.max_seq_len if max_seq_len is None else max_seq_len,
+            max_draft_len=self.max_draft_len,
+            num_extra_kv_tokens=self.num_extra_kv_tokens,
+            trail_tokens=self._draft_slot_trail_tokens,
+            aligned=aligned,
+        )
+
+    def check_admission(self, req: LlmRequest, *, chunk: int, charge: Sequence[int] | None = None) -> None:
+        """Raise `AdmissionRefused` if this request's mirror would ever hold more pages than charged.
+
+        A context request's chunks are `[p + k * chunk, ...)` from `p =
+        req.target_view.position` (absolute); a disaggregated generation-init request
+        is sized from its prompt. Generation runs to `req.max_new_tokens`, and never
+        past `config.max_seq_len` tokens (the block table's width). `charge` (pages per
+        group) defaults to the aligned `pages_per_request_charge(chunk)`. Changes nothing.
+        """
+        disagg = req.is_disagg_generation_init_state
+        if not (disagg or req.is_context_init_state):
+            raise ValueError(f"request {req.py_request_id}: admission is checked for a new request, not {req.state}")
+        admission.check_request(
+            self.policy if self.is_draft else None,  # a target-side manager sizes as the target does
+            [g.life_cycle for g in self.layer_groups],
+            self.tokens_per_block,
+            request_id=req.py_request_id,
+            charged=self.pages_per_request_charge(chunk) if charge is None else tuple(charge),
+            prompt_len=req.prompt_len,
+            chunk=chunk,
+            start=0 if disagg else req.target_view.position,
+            max_draft_len=self.max_draft_len,
+            num_extra_kv_tokens=self.num_extra_kv_tokens,
+            disagg_generation_init=disagg,
+            max_new_tokens=min(req.max_new_tokens, self.config.max_seq_len - req.prompt_len),
+            label=self.error_label,
+        )
 
     def _mirror_resize_error(
         self, req_id: int, phase: str, capacity: int, history: int | None

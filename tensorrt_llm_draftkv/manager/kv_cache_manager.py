@@ -5,6 +5,7 @@ history plus the space for the step's input above it (its *headroom*).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable
 
 import numpy as np
@@ -13,13 +14,14 @@ import torch
 from ..config import KvCacheConfig
 from ..request import ContextView, LlmRequest, LlmRequestState, ScheduledRequests
 from ..runtime import BAD_PAGE_INDEX, KVCache, LayerGroup, LifeCycle, PagePool
-from .diagnostics import KVCacheResizeError, pool_diagnostic, resize_error
+from .diagnostics import KVCacheResizeError, MissingKVCacheError, pool_diagnostic, resize_error
 
 
 class KVCacheManagerV2:
     """Sizes and addresses every request's cache in one set of per-group pools."""
 
     error_label = "KV cache"
+    missing_label = "KV cache"  # "Missing <label> for generation request N"
 
     def __init__(
         self,
@@ -166,23 +168,37 @@ class KVCacheManagerV2:
                 del self._caches[req.py_request_id]
             raise self._resize_error(req.py_request_id, phase, capacity, history)
 
-    def prepare_resources(self, batch: ScheduledRequests) -> None:
-        """Size every request's cache for this step (context chunk or generation step).
+    def _missing(self, request_ids: Iterable[int]) -> list[int]:
+        return [rid for rid in request_ids if rid not in self._caches]
 
-        All or nothing: if one request cannot be sized, the requests before it in
-        the batch are put back as they were (fresh caches dropped) and the error
-        is raised.
+    def _require_caches(self, request_ids: Iterable[int], what: str) -> None:
+        """Raise MissingKVCacheError naming every id of `request_ids` this manager holds no cache for."""
+        ids = list(request_ids)
+        missing = self._missing(ids)
+        if missing:
+            named = f"request {missing[0]}" if len(missing) == 1 else f"requests {missing}"
+            raise MissingKVCacheError(
+                f"{self.error_label}: {what} names {named}, that hold(s) no cache here "
+                f"(live requests: {self.request_ids()[:16]}); nothing was changed",
+                request_ids=missing,
+            )
+
+    @contextlib.contextmanager
+    def _batch_transaction(self, request_ids: Iterable[int]):
+        """All or nothing over a batch: on any exception every cache named is put back.
+
+        Caches that did not exist when the transaction began and exist at the
+        failure are freed and dropped; existing ones are restored to their
+        checkpoint (pages released since are taken back, pages gained given back).
         """
-        steps = [(r, "context", self._context_sizing) for r in batch.context_requests]
-        steps += [(r, "generation", self._generation_sizing) for r in batch.generation_requests]
         undo: list[tuple[int, tuple | None]] = []
+        for rid in dict.fromkeys(request_ids):
+            cache = self._caches.get(rid)
+            undo.append((rid, None if cache is None else cache.checkpoint()))
+        free_lists = [pool.free_order() for pool in self.pools()]
         try:
-            for req, phase, sizing in steps:
-                rid = req.py_request_id
-                cache = self._caches.get(rid)
-                undo.append((rid, None if cache is None else cache.checkpoint()))
-                self._resize_or_raise(req, phase, sizing)
-        except Exception:
+            yield
+        except BaseException:
             for rid, state in reversed(undo):
                 cache = self._caches.get(rid)
                 if cache is None:
@@ -192,15 +208,54 @@ class KVCacheManagerV2:
                     cache.free()
                 else:
                     cache.restore(state)
+            # The same pages are free again; put them back in the same order, so the
+            # next allocation is the one it would have been (bit-identical state).
+            for pool, order in zip(self.pools(), free_lists):
+                pool.reorder_free(order)
             raise
 
+    def prepare_resources(self, batch: ScheduledRequests) -> None:
+        """Size every request's cache for this step (context chunk or generation step).
+
+        A generation request must already hold a cache (from its context
+        chunks, `prepare_disagg_gen_init` or `add_dummy_requests`); one that does
+        not raises `MissingKVCacheError` ("Missing ... for generation request N").
+        All or nothing: if one request cannot be sized, every request of the
+        batch is put back as it was (fresh caches dropped) and the error raised.
+        """
+        missing = self._missing(r.py_request_id for r in batch.generation_requests)
+        if missing:
+            raise MissingKVCacheError(
+                f"Missing {self.missing_label} for generation request "
+                f"{missing[0]}" + (f" (and requests {missing[1:]})" if len(missing) > 1 else "")
+                + "; a generation request needs its cache from its context chunks or prepare_disagg_gen_init",
+                request_ids=missing,
+            )
+        self._check_unique(batch)
+        steps = [(r, "context", self._context_sizing) for r in batch.context_requests]
+        steps += [(r, "generation", self._generation_sizing) for r in batch.generation_requests]
+        with self._batch_transaction(r.py_request_id for r, _, _ in steps):
+            for req, phase, sizing in steps:
+                self._resize_or_raise(req, phase, sizing)
+
+    def _check_unique(self, batch: ScheduledRequests) -> None:
+        ids = [r.py_request_id for r in batch.all_requests()]
+        if len(set(ids)) != len(ids):
+            dup = sorted({i for i in ids if ids.count(i) > 1})
+            raise ValueError(f"{self.error_label}: requests {dup} appear more than once in one batch")
+
     def update_context_resources(self, batch: ScheduledRequests) -> None:
-        """After the executor advanced each context view: history follows its position."""
-        for req in batch.context_requests:
-            cache = self.get_cache(req.py_request_id)
-            position = self._mirror_view(req).position
-            if position > cache.history_length:
-                cache.resize(max(cache.capacity, position), position)
+        """After the executor advanced each context view: history follows its position.
+
+        All or nothing over the batch: an unknown id raises before any cache changes.
+        """
+        self._require_caches((r.py_request_id for r in batch.context_requests), "update_context_resources")
+        with self._batch_transaction(r.py_request_id for r in batch.context_requests):
+            for req in batch.context_requests:
+                cache = self._caches[req.py_request_id]
+                position = self._mirror_view(req).position
+                if position > cache.history_length:
+                    cache.resize(max(cache.capacity, position), position)
 
     def prepare_disagg_gen_init(self, req: LlmRequest) -> None:
         """A generation worker's new request: the prompt is history, a step of headroom above it."""
@@ -213,17 +268,21 @@ class KVCacheManagerV2:
         return req.prompt_len + self.generation_headroom, req.prompt_len
 
     def update_resources(self, batch: ScheduledRequests) -> None:
-        """After a step: drop rejected draft slots; history = tokens − 1 (the last has no KV)."""
-        for req in batch.all_requests():
-            if req.num_generated < 1 or req.is_dummy:
-                continue
-            cache = self.get_cache(req.py_request_id)
-            history = max(req.max_beam_num_tokens - 1, cache.history_length)
-            if not cache.resize(max(history + 1, 0), history):
-                # Every draft was accepted and the pool has no page for the next token's
-                # slot: still advance history (this only releases pages); the next
-                # prepare reserves the slot, or raises the explicit resize error.
-                cache.resize(max(cache.capacity, history), history)
+        """After a step: drop rejected draft slots; history = tokens − 1 (the last has no KV).
+
+        All or nothing over the batch: an unknown id raises before any cache changes.
+        """
+        reqs = [r for r in batch.all_requests() if r.num_generated >= 1 and not r.is_dummy]
+        self._require_caches((r.py_request_id for r in reqs), "update_resources")
+        with self._batch_transaction(r.py_request_id for r in reqs):
+            for req in reqs:
+                cache = self._caches[req.py_request_id]
+                history = max(req.max_beam_num_tokens - 1, cache.history_length)
+                if not cache.resize(max(history + 1, 0), history):
+                    # Every draft was accepted and the pool has no page for the next token's
+                    # slot: still advance history (this only releases pages); the next
+                    # prepare reserves the slot, or raises the explicit resize error.
+                    cache.resize(max(cache.capacity, history), history)
 
     def add_dummy_requests(
         self,
@@ -234,42 +293,68 @@ class KVCacheManagerV2:
         max_num_draft_tokens: int = 0,
         history_hint: int | None = None,
     ) -> list[LlmRequest]:
-        """CUDA-graph warmup dummies; `history_hint` lets a windowed pool back only the window."""
+        """CUDA-graph warmup dummies; `history_hint` lets a windowed pool back only the window.
+
+        Token counts may differ per dummy; a generation dummy's history is the hint
+        clamped to its own position (`tokens - 1`).
+        """
         request_ids = list(request_ids)
         token_nums = [1] * len(request_ids) if token_nums is None else list(token_nums)
         if len(token_nums) != len(request_ids):
             raise ValueError(f"{len(request_ids)} dummy ids but {len(token_nums)} token counts")
+        taken = [rid for rid in request_ids if rid in self._caches]
+        repeated = sorted({rid for rid in request_ids if request_ids.count(rid) > 1})
+        if taken or repeated:
+            bad = taken or repeated
+            raise ValueError(
+                f"{self.error_label}: dummy request {bad[0]} "
+                + ("already has a cache" if taken else "is named twice")
+                + (f" (also {bad[1:]})" if len(bad) > 1 else "")
+                + "; no dummy was added"
+            )
+        for rid, tokens in zip(request_ids, token_nums):
+            if tokens < 1:
+                raise ValueError(f"dummy request {rid}: token count must be >= 1, got {tokens}")
         made: list[LlmRequest] = []
-        try:
+        with self._batch_transaction(request_ids):
             for rid, tokens in zip(request_ids, token_nums):
-                if rid in self._caches:
-                    raise ValueError(f"{self.error_label}: dummy request {rid} already has a cache")
-                if tokens < 1:
-                    raise ValueError(f"dummy request {rid}: token count must be >= 1, got {tokens}")
                 req = LlmRequest(rid, prompt_len=tokens, is_dummy=True)
                 if is_gen:
                     req.state = LlmRequestState.GENERATION_IN_PROGRESS
                 capacity = tokens + max_num_draft_tokens + self.num_extra_kv_tokens
                 hint = self._dummy_history(history_hint)
-                history = None if hint is None else min(hint, capacity)
+                # A generation dummy's next token sits at tokens - 1: more history than
+                # that would release pages its drafter slot, seeded there, still reads.
+                history = None if hint is None else min(hint, tokens - 1 if is_gen else capacity)
                 self._resize_or_raise(req, "dummy", lambda r, c, cap=capacity, h=history: (cap, h))
                 made.append(req)
-        except Exception:
-            for req in made:
-                self.free_resources(req)
-            raise
         return made
 
-    def free_resources(self, req: LlmRequest | int) -> None:
-        """Return every page of the request; unknown or already freed ids raise KeyError."""
-        request_id = req if isinstance(req, int) else req.py_request_id
-        cache = self._caches.pop(request_id, None)
-        if cache is None:
-            raise KeyError(
-                f"{self.error_label}: cannot free request {request_id}: it holds no cache "
-                "(never added, or already freed)"
+    def free_resources(self, req: "LlmRequest | int | ScheduledRequests | Iterable[LlmRequest | int]") -> None:
+        """Return every page of one request, or of every request of a batch or list.
+
+        All or nothing: an unknown, repeated or already freed id raises KeyError
+        before any cache is freed.
+        """
+        if isinstance(req, ScheduledRequests):
+            items: list = req.all_requests()
+        elif isinstance(req, (LlmRequest, int)):
+            items = [req]
+        else:
+            items = list(req)
+        ids = [r if isinstance(r, int) else r.py_request_id for r in items]
+        missing = self._missing(ids)
+        if missing or len(set(ids)) != len(ids):
+            bad = missing or sorted({i for i in ids if ids.count(i) > 1})
+            what = "it holds no cache (never added, or already freed)" if missing else "it is named twice"
+            raise MissingKVCacheError(
+                f"{self.error_label}: cannot free request {bad[0]}: {what}"
+                + (f"; also {bad[1:]}" if len(bad) > 1 else "")
+                + ("" if len(ids) == 1 else "; nothing was freed"),
+                request_ids=bad,
             )
-        cache.free()
+        for rid in ids:
+            self._caches.pop(rid).free()
 
     # -- export -----------------------------------------------------------------
     def get_block_offsets(self, request_ids: Iterable[int], backend: str = "cpp") -> torch.Tensor:
