@@ -59,7 +59,7 @@ def test_eager_and_fused_preparation_are_identical_on_random_workloads(w):
         extents = torch.full((B,), M, dtype=torch.int64)
     metas = []
     for fused in (False, True):
-        meta = DFlashSpecMetadata(S - 1, block_size=bs, tokens_per_block=P, max_ctx_len=max_ctx, fused=fused,
+        meta = DFlashSpecMetadata(S - 1, block_size=bs, tokens_per_block=P, max_ctx_len=max(max_ctx, P), fused=fused,
                                   max_new_tokens=max_new, backend=backend)
         meta.slot_ids = torch.randint(0, S, (B,), generator=torch.Generator().manual_seed(seed + 1))
         meta.ctx_len = torch.randint(0, max_ctx + 1, (S,), generator=torch.Generator().manual_seed(seed + 2))
@@ -69,7 +69,7 @@ def test_eager_and_fused_preparation_are_identical_on_random_workloads(w):
     n = torch.randint(0, max_new + 1, (B,), generator=torch.Generator().manual_seed(seed + 4))
     from tensorrt_llm_draftkv.kernels import prepare_paged_latent
 
-    eager = metas[0]._eager_prep(metas[0].tables[0], n)
+    eager = metas[0]._eager_prep(metas[0].tables[0], n, max_ctx=max_ctx)
     fused = prepare_paged_latent(
         tables, extents, metas[1].slot_ids, metas[1].ctx_len, metas[1].base_pages, n,
         block_size=bs, tokens_per_block=P, max_ctx=max_ctx, max_new=max_new,

@@ -249,23 +249,24 @@ def test_generation_seed_in_a_private_arena_starts_at_zero():
     loop.checker.assert_clean()
 
 
-def test_generation_seed_and_stores_clamp_at_the_maximum_context():
+def test_a_clamped_context_stays_absolute_on_a_shared_pool_and_clamps_stores_in_an_arena():
     meta = DFlashSpecMetadata(2, block_size=4, tokens_per_block=16, max_ctx_len=256)
     req = gen_req(1, 400)
     meta.prepare(ScheduledRequests(generation_requests=[req]), None)  # arena: (0, 0)
     assert meta.slot_state(1) == (0, 0)
+    prep = meta.prepare_generation({1: 3})[0]
+    assert prep.new_ctx_len.tolist() == [3]
     loop = DraftLoop.build(windows=(None,), tokens_per_block=16, max_seq_len=512, pages=64)
     loop.meta.max_ctx_len = 250
     loop.add_disagg_request(1, truth(500, 1), 290)
     loop.step()
-    assert loop.meta.seeds[1] == SlotStart(240, 15, 50)  # p = 290 clamped to 250 first
-    assert loop.meta.slot_state(1)[0] == 241
+    # Shared pool: the seed is not clamped (p = 290 stays absolute, lag 2 < P) ...
+    assert loop.meta.seeds[1] == SlotStart(288, 18, 2)
     for _ in range(12):
         loop.step()
-    assert loop.meta.slot_state(1)[0] == 250  # never past max_ctx
-    prep = loop.meta.prepare_generation({1: 3})[0]
-    assert prep.new_ctx_len.tolist() == [250]
-    assert prep.store_offsets[0].tolist() == [-1, -1, -1, -1]  # nothing stored past max_ctx
+    L, b = loop.meta.slot_state(1)
+    assert L + loop.meta.slot_offset(1) == len(loop.requests[1].tokens) - 1  # ... nor are stores
+    assert L - b * 16 <= 250
     loop.checker.assert_clean()
 
 
@@ -336,12 +337,12 @@ def test_an_optimistic_commit_rolled_back_reads_only_what_was_accepted():
 
 
 # --------------------------------------------------------------------------- dummies
-def test_dummy_rows_share_the_dummy_slot_and_touch_only_their_own_pages():
+def test_each_dummy_row_gets_its_own_dummy_slot_and_touches_only_its_own_pages():
     loop = DraftLoop.build(windows=(32,), tokens_per_block=16, pages=64)
     loop.add_context_request(1, truth(300, 1), 64)
     loop.step(dummies=2, dummy_tokens=50)
     dummy = loop.meta.dummy_slot
-    assert [r.slot for r in loop.meta.rows if r.kind == "dummy"] == [dummy, dummy]
+    assert [r.slot for r in loop.meta.rows if r.kind == "dummy"] == [dummy, dummy + 1]
     assert loop.meta.slot_state(1)[0] == 64
     assert loop.meta.ctx_len_host[dummy] == 48 and loop.meta.base_pages_host[dummy] == 3
     loop.checker.assert_clean()

@@ -76,6 +76,10 @@ from . import slot_rules as rules
 from .slot_rules import Seeding, SlotStart
 
 
+#: Stores on a shared pool are never clamped (int32-safe stand-in for "no limit").
+_NO_STORE_LIMIT = (1 << 31) - 1
+
+
 class NoFreeSlotError(RuntimeError):
     """More requests need a drafter slot than there are free slots."""
 
@@ -151,6 +155,8 @@ class DFlashSpecMetadata:
         backend: str = "cpp",
         page_aligned_seed: bool | None = None,
         max_new_tokens: int | None = None,
+        num_dummy_slots: int | None = None,
+        draft_manager=None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -160,8 +166,18 @@ class DFlashSpecMetadata:
             raise ValueError(f"tokens_per_block ({tokens_per_block}) and max_ctx_len ({max_ctx_len}) must be >= 1")
         if backend not in ("cpp", "python"):
             raise ValueError(f"unknown block-offset backend {backend!r}; use 'cpp' or 'python'")
+        if max_ctx_len < tokens_per_block:
+            raise ValueError(
+                f"max_ctx_len ({max_ctx_len} tokens) must hold at least one page of {tokens_per_block} tokens: "
+                "a clamped context is read from a page boundary"
+            )
+        num_dummy_slots = max_batch_size if num_dummy_slots is None else num_dummy_slots
+        if num_dummy_slots < 0:
+            raise ValueError(f"num_dummy_slots must be >= 0, got {num_dummy_slots}")
         self.max_batch_size = max_batch_size
-        self.num_slots = max_batch_size + 1
+        self.num_dummy_slots = num_dummy_slots
+        self.num_slots = max_batch_size + num_dummy_slots
+        #: First of the slots reserved for warmup dummies; each dummy row of a step takes its own.
         self.dummy_slot = max_batch_size
         self.block_size = block_size
         self.tokens_per_block = tokens_per_block
@@ -191,6 +207,8 @@ class DFlashSpecMetadata:
         self._prep: list[PagedLatentPrep] | None = None
         self._last_num_new: list[int] | None = None
         self.seeds: dict[int, SlotStart] = {}  # request id -> start given by the last prepare()
+        if draft_manager is not None:
+            self.check_pool(draft_manager)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -313,6 +331,65 @@ class DFlashSpecMetadata:
         self._offset_host = list(snap.offsets_host)
         self._prep = None
 
+    # ------------------------------------------------------------------ clamping
+    def _store_limit(self) -> int:
+        """Slot positions at or past this are not stored.
+
+        A private arena holds ``max_ctx_len`` tokens per slot, so stores clamp
+        there. On a shared pool slot positions are absolute and the mirror is
+        sized in absolute positions, so nothing is clamped: ``max_ctx_len``
+        bounds what a slot *reads* instead (see :meth:`_clamped_base`).
+        """
+        return self.max_ctx_len if self.private_arena else _NO_STORE_LIMIT
+
+    def _clamped_base(self, ctx_len: int, base: int) -> int:
+        """Base pages that keep a shared-pool slot's read ``L - b*P`` within ``max_ctx_len``.
+
+        The base only rises, to whole pages, and never past ``L // P``; the
+        context below it stays stored on the request's pages but is not read.
+        """
+        if self.private_arena:
+            return base
+        over = ctx_len - self.max_ctx_len
+        if over <= 0:
+            return base
+        P = self.tokens_per_block
+        return max(base, min(-(-over // P), ctx_len // P))
+
+    def _advance_host(self, slot: int, new_len: int, consumed: int) -> None:
+        """The slot took ``consumed`` tokens and now holds ``new_len``.
+
+        ``L + offset`` stays the absolute position the slot continues at: in a
+        private arena a clamped slot drops tokens, and its offset takes them.
+        """
+        self._offset_host[slot] += consumed - (new_len - self._ctx_host[slot])
+        self._ctx_host[slot] = new_len
+
+    def check_pool(self, draft_manager) -> None:
+        """Refuse a pool this metadata cannot address safely (ValueError naming the numbers).
+
+        A worker that reads the unrebased table (``_ctx_reads_rebased_view =
+        False``) stores a tail after a prefix it did not compute at slot
+        position 0; its mirror, sized for the tail's absolute position, has
+        released those low pages on a windowed pool that does not join the
+        target's block reuse, so the stores would land on other requests' pages.
+        """
+        if draft_manager.tokens_per_block != self.tokens_per_block:
+            raise ValueError(
+                f"DFlash drafter: metadata built for {self.tokens_per_block}-token pages, draft manager uses "
+                f"{draft_manager.tokens_per_block}"
+            )
+        windows = tuple(g.window for g in draft_manager.config.layer_groups)
+        paired = bool(getattr(draft_manager, "joint_kv_cache_reuse", False))
+        if not self._ctx_reads_rebased_view and not paired and any(w is not None for w in windows):
+            raise ValueError(
+                "DFlash drafter: a worker that reads the unrebased table (_ctx_reads_rebased_view=False) "
+                f"cannot use a windowed draft pool (windows {list(windows)}, {self.tokens_per_block}-token "
+                "pages) without joint_kv_cache_reuse: a context tail after a prefix it did not compute is "
+                "stored at slot position 0, on pages the mirror has released. Read the rebased view, join "
+                "the target's block reuse, or use a full-attention draft pool."
+            )
+
     # ------------------------------------------------------------------ prepare
     def _seed_is_page_aligned(self, dm) -> bool:
         if self.page_aligned_seed is not None:
@@ -343,10 +420,7 @@ class DFlashSpecMetadata:
             raise ValueError(f"DFlash drafter: requests {dup} appear twice in one batch")
         P = self.tokens_per_block
         if dm is not None:
-            if dm.tokens_per_block != P:
-                raise ValueError(
-                    f"DFlash drafter: metadata built for {P}-token pages, draft manager uses {dm.tokens_per_block}"
-                )
+            self.check_pool(dm)
             missing = [rid for rid in ids if not dm.has_cache(rid)]
             if missing:
                 raise KeyError(
@@ -363,6 +437,15 @@ class DFlashSpecMetadata:
             free.append(slot_of.pop(rid))
         free.sort()
         new_ids = [r.py_request_id for r in reqs if not r.is_dummy and r.py_request_id not in slot_of]
+        dummy_ids = [r.py_request_id for r in reqs if r.is_dummy]
+        if len(dummy_ids) > self.num_dummy_slots:
+            raise NoFreeSlotError(
+                f"DFlash drafter: {len(dummy_ids)} warmup dummies {dummy_ids[:16]} in one step, but only "
+                f"{self.num_dummy_slots} dummy slots (num_dummy_slots={self.num_dummy_slots})",
+                request_ids=dummy_ids,
+                needed=len(dummy_ids),
+                free=self.num_dummy_slots,
+            )
         if len(new_ids) > len(free):
             raise NoFreeSlotError(
                 f"DFlash drafter: no free slot for requests {new_ids}: {len(new_ids)} needed, {len(free)} free "
@@ -374,6 +457,7 @@ class DFlashSpecMetadata:
             )
 
         arena = dm is None
+        store_limit = self.max_ctx_len if arena else _NO_STORE_LIMIT
         paired = bool(dm is not None and getattr(dm, "joint_kv_cache_reuse", False))
         page_aligned = True if arena else self._seed_is_page_aligned(dm)
         seeds: dict[int, SlotStart] = {}
@@ -382,24 +466,24 @@ class DFlashSpecMetadata:
             return rules.generation_seed(
                 max(req.max_beam_num_tokens - 1, 0),
                 tokens_per_block=P,
-                max_ctx=self.max_ctx_len,
+                max_ctx=store_limit,
                 page_aligned=page_aligned,
                 private_arena=arena,
                 seeding=self.seeding,
             )
 
         rows: list[Row] = []
-        dummy_seeded = False
+        next_dummy_slot = self.dummy_slot
         restarted: list[int] = []  # existing slots restarted by a chunk that does not continue them
         for req, kind in zip(reqs, kinds):
             rid = req.py_request_id
             if req.is_dummy:
-                slot = self.dummy_slot
-                if not dummy_seeded:
-                    start = seed_generation(req)
-                    ctx[slot], base[slot], off[slot] = start
-                    seeds[rid] = start
-                    dummy_seeded = True
+                # Each dummy gets a slot of its own, seeded from its own position every
+                # step: dummies of different sizes must not share lengths or bases.
+                slot, next_dummy_slot = next_dummy_slot, next_dummy_slot + 1
+                start = seed_generation(req)
+                ctx[slot], base[slot], off[slot] = start
+                seeds[rid] = start
                 rows.append(Row(req, slot, "dummy", True))
                 continue
             fresh = rid not in slot_of
@@ -410,12 +494,13 @@ class DFlashSpecMetadata:
             slot = slot_of[rid]
             if kind == "context":
                 view = req.target_view
-                cont = not fresh and (ctx[slot] + off[slot] == view.position or ctx[slot] >= self.max_ctx_len)
+                # L + offset is the absolute position the slot continues at, clamped or not.
+                cont = not fresh and ctx[slot] + off[slot] == view.position
                 if not cont:
                     start = rules.context_store_start(
                         view.position,
                         tokens_per_block=P,
-                        max_ctx=self.max_ctx_len,
+                        max_ctx=store_limit,
                         paired_pool=paired,
                         rebased_view=self._ctx_reads_rebased_view,
                         private_arena=arena,
@@ -506,8 +591,10 @@ class DFlashSpecMetadata:
         """Store targets of a context chunk, and advance the slot past it.
 
         ``positions`` are the chunk's absolute target positions, contiguous and
-        starting where the slot continues (``L + offset``). Tokens at slot
-        positions ``>= max_ctx_len`` are not stored (clamping).
+        starting where the slot continues (``L + offset``). In a private arena
+        tokens at slot positions ``>= max_ctx_len`` are not stored (clamping);
+        on a shared pool every token is stored at its slot position and the
+        base rises so the slot reads at most ``max_ctx_len`` tokens.
         """
         rid = request if isinstance(request, int) else request.py_request_id
         row = self.row_index(rid)
@@ -525,11 +612,12 @@ class DFlashSpecMetadata:
                 f"{expected} with contiguous positions, got [{int(pos[0])}, ..., {int(pos[-1])}] ({n} tokens)"
             )
         P = self.tokens_per_block
-        new_L = min(L + n, self.max_ctx_len)
+        limit = self._store_limit()
+        new_L = min(L + n, limit)
         if self.rows[row].proposing:
             self._check_block_room(row, new_L)
         slot_pos = torch.arange(L, L + n, dtype=torch.int64, device=self.device)
-        keep = slot_pos < self.max_ctx_len
+        keep = slot_pos < limit
         pages = []
         for bt in self.tables:
             M = bt.tables.shape[1]
@@ -538,8 +626,12 @@ class DFlashSpecMetadata:
             pg = bt.tables[row].long().gather(0, torch.where(inside, ordinal, 0)) if M else ordinal
             pages.append(torch.where(inside, pg, -1).to(torch.int32))
         offsets = torch.where(keep, slot_pos % P, -1).to(torch.int32)
-        self._ctx_host[slot] = new_L
+        self._advance_host(slot, new_L, n)
         self.ctx_len[slot] = new_L
+        base = self._clamped_base(new_L, self._base_host[slot])
+        if base != self._base_host[slot]:
+            self._base_host[slot] = base
+            self.base_pages[slot] = base
         self._prep = None
         return ContextStorePlan(row, slot_pos, pages, offsets)
 
@@ -568,12 +660,19 @@ class DFlashSpecMetadata:
                 raise ValueError(
                     f"DFlash drafter: request {row.request_id} commits {n} tokens; allowed 0..{self.max_new_tokens}"
                 )
-            new = min(self._ctx_host[row.slot] + n, self.max_ctx_len)
+            new = min(self._ctx_host[row.slot] + n, self._store_limit())
             if row.slot in new_host and new_host[row.slot] != new:
                 raise ValueError(f"DFlash drafter: rows sharing slot {row.slot} disagree on its new length")
             new_host[row.slot] = new
             if row.proposing:
                 self._check_block_room(i, new)
+        consumed = {row.slot: n for row, n in zip(self.rows, counts)}
+        for slot, new in new_host.items():
+            # Raise the base before the launch, so the read is clamped with the new length.
+            base = self._clamped_base(new, self._base_host[slot])
+            if base != self._base_host[slot]:
+                self._base_host[slot] = base
+                self.base_pages[slot] = base
         n_t = torch.tensor(counts, dtype=torch.int64, device=self.device)
         preps = []
         for bt in self.tables:
@@ -587,7 +686,7 @@ class DFlashSpecMetadata:
                     n_t,
                     block_size=self.block_size,
                     tokens_per_block=P,
-                    max_ctx=self.max_ctx_len,
+                    max_ctx=self._store_limit(),
                     max_new=self.max_new_tokens,
                 )
             else:
@@ -596,7 +695,7 @@ class DFlashSpecMetadata:
         if B:
             self.ctx_len.index_copy_(0, self.slot_ids, preps[0].new_ctx_len)
         for slot, new in new_host.items():
-            self._ctx_host[slot] = new
+            self._advance_host(slot, new, consumed[slot])
         self._prep = preps
         self._last_num_new = counts
         return preps
@@ -616,9 +715,13 @@ class DFlashSpecMetadata:
             raise ValueError(f"DFlash drafter: {len(counts)} counts for {self.num_rows} rows")
         return counts
 
-    def _eager_prep(self, bt: BlockTables, n_t: torch.Tensor) -> PagedLatentPrep:
-        """The same preparation as the fused kernel, composed from the reference decode/rebase."""
-        P, bs, max_new, max_ctx = self.tokens_per_block, self.block_size, self.max_new_tokens, self.max_ctx_len
+    def _eager_prep(self, bt: BlockTables, n_t: torch.Tensor, max_ctx: int | None = None) -> PagedLatentPrep:
+        """The same preparation as the fused kernel, composed from the reference decode/rebase.
+
+        ``max_ctx``: the store limit (default: this step's, see :meth:`_store_limit`).
+        """
+        P, bs, max_new = self.tokens_per_block, self.block_size, self.max_new_tokens
+        max_ctx = self._store_limit() if max_ctx is None else max_ctx
         tables, extents = bt.tables, bt.extents
         B, M = tables.shape
         dev = tables.device

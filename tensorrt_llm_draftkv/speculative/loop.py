@@ -94,6 +94,7 @@ class DraftLoop:
         device: str = "cpu",
         feature_seed: int = 0,
         private_arena: bool = False,
+        max_ctx_len: int | None = None,
     ) -> "DraftLoop":
         """A draft manager (one layer group per window), metadata, drafter, features and checker.
 
@@ -135,7 +136,7 @@ class DraftLoop:
             max_batch_size,
             block_size=block_size,
             tokens_per_block=tokens_per_block,
-            max_ctx_len=max_seq_len,
+            max_ctx_len=max_seq_len if max_ctx_len is None else max_ctx_len,
             device=device,
             seeding=seeding,
             fused=fused,
@@ -193,7 +194,8 @@ class DraftLoop:
         self.truth.pop(rid)
         req.state = LlmRequestState.GENERATION_COMPLETE
         self.meta.free(rid, missing_ok=True)
-        self.dm.free_resources(rid)
+        if self.dm.has_cache(rid):  # a request never scheduled holds no mirror
+            self.dm.free_resources(rid)
         if self.drafter.checker is not None:
             self.drafter.checker.forget(rid)
 
@@ -239,7 +241,7 @@ class DraftLoop:
         accept_cap: Mapping[int, int] | Callable[[int], int] | None = None,
         optimistic: Iterable[int] = (),
         dummies: int = 0,
-        dummy_tokens: int = 1,
+        dummy_tokens: int | Iterable[int] = 1,
     ) -> StepResult:
         """One executor step over ``rids`` (default: every live request).
 
@@ -247,7 +249,8 @@ class DraftLoop:
         the rest of the prompt). ``accept_cap``: most drafts a generation request
         may accept this step (forced rejections). ``optimistic``: generation
         requests whose every verified token is committed first, then rolled back
-        to what was accepted. ``dummies``: warmup dummies of ``dummy_tokens``.
+        to what was accepted. ``dummies``: warmup dummies of ``dummy_tokens`` (one
+        count for all, or one per dummy).
         """
         ids = list(self.requests) if rids is None else list(rids)
         ctx_reqs = [self.requests[r] for r in ids if self.requests[r].is_context_init_state]
@@ -256,12 +259,13 @@ class DraftLoop:
         if dummies:
             dummy_ids = list(range(self._next_dummy, self._next_dummy + dummies))
             self._next_dummy += dummies
+            sizes = [dummy_tokens] * dummies if isinstance(dummy_tokens, int) else list(dummy_tokens)
             dummy_reqs = self.dm.add_dummy_requests(
                 dummy_ids,
-                [dummy_tokens] * dummies,
+                sizes,
                 is_gen=True,
                 max_num_draft_tokens=self.dm.max_draft_len,
-                history_hint=dummy_tokens - 1,
+                history_hint=max(sizes) - 1,
             )
         batch = ScheduledRequests(context_requests=ctx_reqs, generation_requests=[*gen_reqs, *dummy_reqs])
         try:
