@@ -103,7 +103,11 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="draw draft-pool occupancy over steps (needs matplotlib)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--drafter", default="dflash", type=_mode, help="dflash or dspark")
-    p.add_argument("--no-trail-page", action="store_true", help="turn the trail page off (for comparison)")
+    p.add_argument(
+        "--no-trail-page",
+        action="store_true",
+        help="turn the trail page off but keep the page-aligned seed (the ablation: shows what the page prevents)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument(
         "--full-attention-target",
@@ -114,6 +118,16 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    # One intra-op thread per process (spawned ranks inherit the variable): on a
+    # small host, two ranks with several threads each make timings swing 5-10x.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    from dataclasses import replace
+
     from .executor.scenario import DEFAULT_SCENARIO
     from .executor.simulate import format_table, simulate, write_json, write_plot
     from .manager.mirror_sizing import MirrorSizing
@@ -130,9 +144,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         missing = [n for n in args.runs if n not in known]
         if missing:
             raise SystemExit(f"unknown run(s) {missing}; embedded runs: {sorted(known)}")
-        from dataclasses import replace
-
         scenario = replace(scenario, runs=tuple(known[n] for n in args.runs))
+    if args.max_new_tokens:  # the flag wins over runs that set their own length
+        scenario = replace(scenario, runs=tuple(replace(r, max_new_tokens=None) for r in scenario.runs))
     if args.plot:
         try:  # an optional extra: say so before a minute of simulation, not after
             import matplotlib  # noqa: F401

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 SETUP = DEFAULT_SCENARIO.setup
 RUNS = {spec.name: spec for spec in DEFAULT_SCENARIO.runs}
-FIRST_131K = 131072
+FIRST_131K = 131071  # the first long prompt: one short of 2^17, so not a page multiple
 RESIZE_ERROR = re.compile(
     r"^Draft KV cache context resize failed for request (\d+): could not resize to (\d+) tokens"
 )
@@ -63,8 +63,11 @@ def long_runs(tmp_path_factory):
 def test_the_default_scenario_is_the_one_the_issue_describes():
     assert set(RUNS) >= {"disagg-16k", "agg-long", "disagg-long"}
     for name in ("agg-long", "disagg-long"):
-        assert max(RUNS[name].prompts) == 524288
-        assert {32768, 131072, 262144, 524288} <= set(RUNS[name].prompts)
+        assert max(RUNS[name].prompts) == 524287
+        assert {32768, 131071, 262145, 524287} <= set(RUNS[name].prompts)
+        assert any(n % SETUP.tokens_per_block for n in RUNS[name].prompts)  # seeds with a nonzero lag
+    evict = RUNS["disagg-evict"]
+    assert evict.mode == "disaggregated" and evict.drafter_slots < evict.max_concurrency
     assert RUNS["agg-long"].mode == "aggregated"
     assert RUNS["disagg-long"].mode == "disaggregated"
     assert SETUP.draft_window < FIRST_131K
@@ -79,7 +82,7 @@ def test_legacy_dies_at_the_first_131k_prompt(long_runs, name):
     m = RESIZE_ERROR.match(stats.first_error)
     assert m, stats.first_error
     rid, wanted = int(m.group(1)), int(m.group(2))
-    assert rid == prompts.index(FIRST_131K), "the first 131,072-token request is the one that dies"
+    assert rid == prompts.index(FIRST_131K), "the first 131,071-token request is the one that dies"
     # the pre-fix sizing asks for the whole prompt at once: start 0 + whole prompt + drafts + extra
     assert wanted == FIRST_131K + SETUP.max_draft_len + SETUP.draft_extra_tokens
     assert stats.first_error.endswith("(history unchanged)"), "legacy sizing never passes a history"

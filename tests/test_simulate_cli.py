@@ -34,6 +34,11 @@ ISSUE_KEYS = {
     "estimated_draft_pages_per_request",
     "acceptance_length",
     "output_matches_target",
+    "slot_reseeds",
+    "max_seed_lag_tokens",
+    "stale_reads",
+    "unbacked_accesses",
+    "accounting_errors",
 }
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 RESIZE_ERROR = re.compile(r"Draft KV cache context resize failed for request (\d+): could not resize to (\d+) tokens")
@@ -96,7 +101,7 @@ def test_json_has_the_issue_keys_for_every_run(disagg_16k):
     for r in records:
         assert ISSUE_KEYS <= set(r), ISSUE_KEYS - set(r)
         assert r["mode"] == "disaggregated"
-        assert r["prompt_tokens"] == [1024, 16384]
+        assert r["prompt_tokens"] == [1000, 16385]
         assert isinstance(r["finished"], int) and isinstance(r["resize_failures"], int)
         assert isinstance(r["first_error"], str)
         assert isinstance(r["foreign_page_accesses"], int)
@@ -137,15 +142,8 @@ def test_the_default_command_runs_the_whole_scenario_in_under_two_minutes():
     elapsed = time.monotonic() - started
     assert proc.returncode == 0, proc.stderr
     rows = table_rows(proc.stdout)
-    assert list(rows) == [
-        ("disagg-16k", "history"),
-        ("disagg-16k", "legacy"),
-        ("agg-long", "history"),
-        ("agg-long", "legacy"),
-        ("disagg-long", "history"),
-        ("disagg-long", "legacy"),
-    ]
-    totals = {"disagg-16k": 2, "agg-long": 5, "disagg-long": 4}
+    totals = {"disagg-16k": 2, "agg-long": 5, "disagg-long": 4, "disagg-evict": 5, "disagg-window": 3}
+    assert list(rows) == [(name, sizing) for name in totals for sizing in ("history", "legacy")]
     for (name, sizing), cells in rows.items():
         finished, total = map(int, cells[3].split("/"))
         assert total == totals[name]
@@ -155,13 +153,18 @@ def test_the_default_command_runs_the_whole_scenario_in_under_two_minutes():
             assert peak <= est and (peak == est) == (name == "agg-long")
             assert cells[7] == "ok"  # the warmup ran
             assert cells[10] == "yes", f"{name}: speculative output equals target-only output"
+            events = " ".join(cells[11:])
+            for bad in ("stale=", "unbacked=", "accounting=", "refused="):
+                assert bad not in events, f"{name}: {events}"
     for name in ("agg-long", "disagg-long"):
         cells = rows[name, "legacy"]
         assert cells[3] == f"0/{totals[name]}" and cells[4] == "1"
         m = RESIZE_ERROR.search(" ".join(cells[11:]))
-        assert m and int(m.group(1)) == 1 and int(m.group(2)) >= 131072
+        assert m and int(m.group(1)) == 1 and int(m.group(2)) >= 131071
         assert cells[10] == "-"
     assert int(rows["disagg-16k", "legacy"][5]) > 0
+    assert "reseeds=" in " ".join(rows["disagg-evict", "history"][11:])  # slots evicted and reseeded
+    assert "lag=31" in " ".join(rows["disagg-long", "history"][11:])  # a seed one token short of a page
     assert rows["disagg-16k", "legacy"][10] == "yes"
     assert elapsed < 120, f"the default command took {elapsed:.0f} s"
 

@@ -90,14 +90,27 @@ class Channel:
         return Transfer(rid, prompt_len, tokens, group_lo, keys, values)
 
 
+def transfer_range(prompt_len: int, window: int | None) -> tuple[int, int]:
+    """Absolute positions `[lo, prompt_len)` of target K/V the generation worker reads.
+
+    Its first query sits at position m = prompt_len and attends `[m + 1 - W, m]`;
+    position m itself is computed there. So exactly `[max(0, m + 1 - W), m)` is
+    sent, all of the prompt for full attention. Sending one position more (from
+    `m - W`) would write onto a page the generation-init cache (history m) has
+    already released whenever `m + 1 - W` starts a page.
+    """
+    if window is None:
+        return 0, prompt_len
+    return max(0, prompt_len + 1 - window), prompt_len
+
+
 def transfer_from(req: LlmRequest, executor) -> Transfer:
     """What the context worker sends for a request whose first token exists (pages still held)."""
     model = executor.target_model
     rid, m = req.py_request_id, req.prompt_len
     group_lo, keys, values = [], [], []
     for g, group in enumerate(executor.target_manager.layer_groups):
-        window = group.life_cycle.window
-        lo = 0 if window is None else max(0, m - window)
+        lo, _ = transfer_range(m, group.life_cycle.window)
         k, v = model.read_kv(rid, lo, m, g)
         group_lo.append(lo)
         keys.append(k)
@@ -115,6 +128,7 @@ def admit_transfer(item: Transfer, executor) -> LlmRequest:
         state=LlmRequestState.DISAGG_GENERATION_INIT,
         max_new_tokens=executor.max_new_tokens,
     )
+    executor.check_admission(req)
     executor.target_manager.prepare_disagg_gen_init(req)
     try:
         if executor.draft_manager is not None:
@@ -175,6 +189,7 @@ def _generation_rank(executor):
     limit = executor.scheduler.config.max_num_requests
     pending, dead = True, False
     from ..manager import KVCacheResizeError
+    from ..manager.admission import AdmissionRefused
 
     while pending or (executor.scheduler.has_work() and not dead):
         while pending and (dead or len(executor.scheduler.active) < limit):
@@ -184,6 +199,8 @@ def _generation_rank(executor):
             elif not dead:
                 try:
                     admit_transfer(item, executor)
+                except AdmissionRefused as err:
+                    executor.refuse(err)  # this request never runs; the others go on
                 except KVCacheResizeError as err:
                     # The executor dies here; keep draining so the context worker can finish.
                     executor.stats.resize_failures += 1

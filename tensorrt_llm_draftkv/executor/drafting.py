@@ -27,6 +27,7 @@ from ..speculative import (
 )
 
 FEATURE_SEED = 2024
+ROW_CHECK_EVERY = 16  # steps between full row checks of the ownership checker
 
 
 class DFlashSpeculator:
@@ -42,7 +43,7 @@ class DFlashSpeculator:
         max_ctx_len: int,
         seeding: Seeding,
         feature_dim: int,
-        misaddress_reads: bool = False,
+        page_aligned_seed: bool | None = None,
     ) -> None:
         cfg = draft_manager.config
         self.draft_manager = draft_manager
@@ -55,6 +56,7 @@ class DFlashSpeculator:
             device=cfg.device,
             seeding=seeding,
             backend="cpp",
+            page_aligned_seed=page_aligned_seed,
         )
         self.checker = OwnershipChecker(draft_manager)
         self.drafter = DFlashDrafter(
@@ -71,10 +73,15 @@ class DFlashSpeculator:
             draft_manager,
             checker=self.checker,
         )
-        self.misaddress_reads = misaddress_reads
         self._recent: OrderedDict[int, None] = OrderedDict()  # slot holders, least recent first
         self._accepted: dict[int, torch.Tensor] = {}
         self._optimistic: dict[int, torch.Tensor] = {}
+        self._steps = 0
+        self._had_slot: set[int] = set()  # requests that held a slot at some point
+        #: generation rows seeded again after losing their slot (evicted, then back)
+        self.slot_reseeds = 0
+        #: largest p - b*P of any generation seed: how far a seeded slot trails its request
+        self.max_seed_lag_tokens = 0
 
     @property
     def foreign_page_accesses(self) -> int:
@@ -83,6 +90,14 @@ class DFlashSpeculator:
     @property
     def stale_reads(self) -> int:
         return self.checker.stale_reads
+
+    @property
+    def unbacked_accesses(self) -> int:
+        return self.checker.unbacked_accesses
+
+    @property
+    def accounting_errors(self) -> int:
+        return getattr(self.checker, "accounting_errors", 0)
 
     # -- per step --------------------------------------------------------------------
     def prepare(self, batch: ScheduledRequests) -> None:
@@ -97,6 +112,20 @@ class DFlashSpeculator:
                 del self._recent[rid]
                 free += 1
         self.meta.prepare(batch, self.draft_manager)
+        # The checker's own page -> owner map against the pools, every step; against
+        # every live row now and then (rows are long on long prompts).
+        self.checker.check_accounting()
+        self._steps += 1
+        if self._steps % ROW_CHECK_EVERY == 0:
+            self.checker.check_rows()
+        for row in self.meta.rows:
+            seed = self.meta.seeds.get(row.request_id)
+            if seed is None or row.kind != "generation":
+                continue
+            self.max_seed_lag_tokens = max(self.max_seed_lag_tokens, seed.offset)
+            if row.request_id in self._had_slot:
+                self.slot_reseeds += 1
+        self._had_slot.update(r.request_id for r in self.meta.rows if r.kind != "dummy")
         for rid in wanted:
             self._recent.pop(rid, None)
             self._recent[rid] = None
@@ -139,10 +168,15 @@ class DFlashSpeculator:
     def release(self, request_id: int) -> None:
         self.meta.free(request_id, missing_ok=True)
         self._recent.pop(request_id, None)
+        self._had_slot.discard(request_id)
 
 
 def build_speculator(setup, draft_manager: DraftKVCacheManagerV2, sizing: MirrorSizing, slots: int) -> DFlashSpeculator:
-    """The fix seeds fresh slots with a base; legacy restarts them at slot-local 0."""
+    """The fix seeds fresh slots with a base; legacy restarts them at slot-local 0.
+
+    Without the trail page (`setup.trail_page=False`, an ablation) the seed stays
+    page-aligned, so the run shows what the trail page prevents.
+    """
     return DFlashSpeculator(
         draft_manager,
         vocab_size=setup.vocab_size,
@@ -151,4 +185,5 @@ def build_speculator(setup, draft_manager: DraftKVCacheManagerV2, sizing: Mirror
         max_ctx_len=setup.max_seq_len,
         seeding=Seeding.BASE if sizing is MirrorSizing.HISTORY else Seeding.SLOT_LOCAL,
         feature_dim=setup.draft_head_dim - 2,
+        page_aligned_seed=None if setup.trail_page else True,
     )

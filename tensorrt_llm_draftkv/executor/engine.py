@@ -18,6 +18,7 @@ from typing import Callable, Protocol
 import torch
 
 from ..manager import KVCacheManagerV2, KVCacheResizeError
+from ..manager.admission import AdmissionRefused
 from ..request import LlmRequest, LlmRequestState, ScheduledRequests, request_context
 from .scheduler import Scheduler
 from .target_model import TinyTarget
@@ -45,8 +46,14 @@ class Speculator(Protocol):
 class RunStats:
     finished: int = 0
     resize_failures: int = 0
+    refused_requests: int = 0  # refused at admission (the pool's charge does not cover them)
     first_error: str = ""
     foreign_page_accesses: int = 0
+    stale_reads: int = 0
+    unbacked_accesses: int = 0
+    accounting_errors: int = 0
+    slot_reseeds: int = 0
+    max_seed_lag_tokens: int = 0
     peak_draft_pages_per_request: int = 0
     skipped_warmups: int = 0
     generation_steps: int = 0
@@ -65,6 +72,17 @@ class RunStats:
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+#: What the drafter's ownership checker and slot bookkeeping report into RunStats.
+_SPECULATOR_COUNTERS = (
+    "foreign_page_accesses",
+    "stale_reads",
+    "unbacked_accesses",
+    "accounting_errors",
+    "slot_reseeds",
+    "max_seed_lag_tokens",
+)
 
 
 class Executor:
@@ -103,13 +121,33 @@ class Executor:
         buf[: tokens.numel()] = tokens.to(self._device)
         return buf
 
-    def add_request(self, request_id: int, prompt: torch.Tensor) -> LlmRequest:
+    def add_request(self, request_id: int, prompt: torch.Tensor) -> LlmRequest | None:
+        """Admit a new request; one whose draft mirror the pool's charge does not cover is refused.
+
+        A refusal (`AdmissionRefused`, with the numbers) happens before anything is
+        allocated: the request never runs, is counted and returns None, and no later
+        resize can fail for it.
+        """
         req = LlmRequest(
             request_id, prompt_len=int(prompt.numel()), tokens=prompt.tolist(), max_new_tokens=self.max_new_tokens
         )
+        try:
+            self.check_admission(req)
+        except AdmissionRefused as err:
+            self.refuse(err)
+            return None
         self.tokens[request_id] = self._buffer(prompt)
         self.scheduler.add(req)
         return req
+
+    def check_admission(self, req: LlmRequest) -> None:
+        """The draft manager's admission check against the charge its pool was sized with."""
+        if self.draft_manager is not None and hasattr(self.draft_manager, "check_admission"):
+            self.draft_manager.check_admission(req, chunk=self.scheduler.config.chunk_size)
+
+    def refuse(self, err: AdmissionRefused) -> None:
+        self.stats.refused_requests += 1
+        self.stats.first_error = self.stats.first_error or str(err).splitlines()[0]
 
     def add_generation_request(self, req: LlmRequest, tokens: torch.Tensor) -> None:
         """A request whose prompt was computed elsewhere (disaggregated generation worker)."""
@@ -173,7 +211,8 @@ class Executor:
         if self._started is not None:
             self.stats.wall_s = time.perf_counter() - self._started
         if self.speculator is not None:
-            self.stats.foreign_page_accesses = self.speculator.foreign_page_accesses
+            for name in _SPECULATOR_COUNTERS:
+                setattr(self.stats, name, getattr(self.speculator, name, 0))
         return self.stats
 
     def step(self) -> None:

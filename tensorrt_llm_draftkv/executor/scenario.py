@@ -50,6 +50,17 @@ class RunSpec:
     prompts: tuple[int, ...]
     max_concurrency: int
     drafter_slots: int | None = None
+    draft_window: int | None = None  # overrides the setup's for this run
+    max_new_tokens: int | None = None  # overrides the setup's for this run
+
+    def setup_for(self, setup: SimSetup) -> SimSetup:
+        """The setup this run uses: the scenario's, with this run's overrides."""
+        changes = {}
+        if self.draft_window is not None:
+            changes["draft_window"] = self.draft_window
+        if self.max_new_tokens is not None:
+            changes["max_new_tokens"] = self.max_new_tokens
+        return replace(setup, **changes) if changes else setup
 
     def __post_init__(self) -> None:
         if self.mode not in ("aggregated", "disaggregated"):
@@ -71,9 +82,21 @@ DEFAULT_SCENARIO = Scenario(
     runs=(
         # A chat-sized request owns the low draft pages while a 16k prompt, which
         # even the legacy pool can hold, decodes on the generation worker.
-        RunSpec("disagg-16k", "disaggregated", (1024, 16384), 2),
-        RunSpec("agg-long", "aggregated", (32768, 131072, 131072, 262144, 524288), 3, drafter_slots=2),
-        RunSpec("disagg-long", "disaggregated", (32768, 131072, 262144, 524288), 2),
+        RunSpec("disagg-16k", "disaggregated", (1000, 16385), 2),
+        # Long prompts, most of them not page multiples (seeds then trail by up to
+        # P - 1 tokens; 131,071 is one short of a window boundary).
+        RunSpec("agg-long", "aggregated", (32768, 131071, 131072, 262145, 524287), 3, drafter_slots=2),
+        RunSpec("disagg-long", "disaggregated", (32768, 131071, 262145, 524287), 2),
+        # More requests in flight than the generation worker has drafter slots:
+        # slots are evicted and reseeded there, at odd positions.
+        RunSpec(
+            "disagg-evict", "disaggregated", (1023, 2049, 3001, 4095, 5119), 4, drafter_slots=2, max_new_tokens=48
+        ),
+        # A short draft window and long generations: a seeded slot's window reaches
+        # below the seed page, which only the trail page keeps backed.
+        RunSpec(
+            "disagg-window", "disaggregated", (1023, 4095, 8191), 3, draft_window=256, max_new_tokens=384
+        ),
     )
 )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 
 import torch
@@ -37,8 +37,14 @@ class RunResult:
     prompt_tokens: list[int]
     finished: int
     resize_failures: int
+    refused_requests: int
     first_error: str
     foreign_page_accesses: int
+    stale_reads: int
+    unbacked_accesses: int
+    accounting_errors: int
+    slot_reseeds: int
+    max_seed_lag_tokens: int
     peak_draft_pages_per_request: int
     estimated_draft_pages_per_request: int
     acceptance_length: float
@@ -168,8 +174,6 @@ def _build_rank(
 ) -> Executor:
     # The context worker computes the prompt with the target alone and emits the first token.
     if rank == 0:
-        from dataclasses import replace
-
         return build_executor(replace(setup, max_new_tokens=1), None, max_concurrency, slots)
     executor = build_executor(setup, sizing, max_concurrency, slots)
     executor.warmup(num_dummies=1, token_num=warmup)
@@ -194,6 +198,7 @@ class _Progress:
 
 
 def run_one(setup: SimSetup, spec: RunSpec, sizing: MirrorSizing, *, progress: bool = False) -> tuple[RunStats, list[int]]:
+    setup = spec.setup_for(setup)
     prompts = _prompts(setup, spec.prompts)
     slots = spec.drafter_slots or setup.drafter_slots
     if spec.mode == "aggregated":
@@ -218,13 +223,18 @@ def run_one(setup: SimSetup, spec: RunSpec, sizing: MirrorSizing, *, progress: b
 
 
 def simulate(scenario: Scenario, sizings: list[MirrorSizing], *, progress: bool = False) -> list[RunResult]:
-    setup = scenario.setup
-    keys = list(dict.fromkeys((seed, n) for spec in scenario.runs for seed, n in zip(prompt_seeds(spec.prompts), spec.prompts)))
-    reference = target_only_outputs(setup, keys)
+    # Target-only references, one per generation length the runs use.
+    references: dict[int, dict] = {}
+    for new_tokens in dict.fromkeys(spec.setup_for(scenario.setup).max_new_tokens for spec in scenario.runs):
+        runs = [s for s in scenario.runs if s.setup_for(scenario.setup).max_new_tokens == new_tokens]
+        keys = list(dict.fromkeys((seed, n) for s in runs for seed, n in zip(prompt_seeds(s.prompts), s.prompts)))
+        references[new_tokens] = target_only_outputs(replace(scenario.setup, max_new_tokens=new_tokens), keys)
     results = []
     for spec in scenario.runs:
+        setup = spec.setup_for(scenario.setup)
+        reference = references[setup.max_new_tokens]
         for sizing in sizings:
-            stats, seeds = run_one(setup, spec, sizing, progress=progress)
+            stats, seeds = run_one(scenario.setup, spec, sizing, progress=progress)
             matches = None
             if stats.outputs:
                 matches = all(
@@ -238,8 +248,14 @@ def simulate(scenario: Scenario, sizings: list[MirrorSizing], *, progress: bool 
                     prompt_tokens=list(spec.prompts),
                     finished=stats.finished,
                     resize_failures=stats.resize_failures,
+                    refused_requests=stats.refused_requests,
                     first_error=stats.first_error,
                     foreign_page_accesses=stats.foreign_page_accesses,
+                    stale_reads=stats.stale_reads,
+                    unbacked_accesses=stats.unbacked_accesses,
+                    accounting_errors=stats.accounting_errors,
+                    slot_reseeds=stats.slot_reseeds,
+                    max_seed_lag_tokens=stats.max_seed_lag_tokens,
                     peak_draft_pages_per_request=stats.peak_draft_pages_per_request,
                     estimated_draft_pages_per_request=draft_pages_per_request(setup),
                     acceptance_length=round(stats.acceptance_length, 3),
@@ -257,13 +273,14 @@ def simulate(scenario: Scenario, sizings: list[MirrorSizing], *, progress: bool 
 def format_table(results: list[RunResult]) -> str:
     head = (
         f"{'run':<12} {'sizing':<8} {'mode':<6} {'finished':>9} {'resize fail':>11} {'foreign':>8} "
-        f"{'peak/est pages':>15} {'warmup':>7} {'accept':>7} {'tok/s':>8} {'= target':>9}  first error"
+        f"{'peak/est pages':>15} {'warmup':>7} {'accept':>7} {'tok/s':>8} {'= target':>9}  events / first error"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         total = len(r.prompt_tokens)
         match = "-" if r.output_matches_target is None else ("yes" if r.output_matches_target else "NO")
         err = (r.first_error[:90] + "...") if len(r.first_error) > 90 else r.first_error
+        err = "  ".join(x for x in (_events(r), err) if x)
         lines.append(
             f"{r.name:<12} {r.sizing:<8} {r.mode[:6]:<6} {f'{r.finished}/{total}':>9} {r.resize_failures:>11} "
             f"{r.foreign_page_accesses:>8} {f'{r.peak_draft_pages_per_request}/{r.estimated_draft_pages_per_request}':>15} "
@@ -271,6 +288,19 @@ def format_table(results: list[RunResult]) -> str:
             f"{match:>9}  {err}"
         )
     return "\n".join(lines)
+
+
+def _events(r: RunResult) -> str:
+    """The counters that are not zero: reseeds and seed lag (exercised), then any violation."""
+    named = (
+        ("reseeds", r.slot_reseeds),
+        ("lag", r.max_seed_lag_tokens),
+        ("stale", r.stale_reads),
+        ("unbacked", r.unbacked_accesses),
+        ("accounting", r.accounting_errors),
+        ("refused", r.refused_requests),
+    )
+    return " ".join(f"{name}={value}" for name, value in named if value)
 
 
 def write_json(results: list[RunResult], path: str) -> None:
