@@ -104,6 +104,21 @@ def test_two_process_run_survives_prompts_one_short_of_a_window_boundary():
     assert {keys[rid]: out for rid, out in stats.outputs.items()} == target_only_outputs(setup, keys)
 
 
+@pytest.mark.parametrize("trail_page", [True, False])
+def test_the_trail_page_is_what_keeps_a_seeded_window_on_its_own_pages(trail_page):
+    """A seed 31 tokens past its page and a generation longer than the draft window:
+    with the trail page every read is owned; without it (same seed) the far edge is not."""
+    setup = replace(SMALL, trail_page=trail_page, draft_window=64, max_new_tokens=120)
+    spec = RunSpec("seeded-window", "disaggregated", (16 * 40 - 1,), 1)
+    stats, _ = run_one(setup, spec, MirrorSizing.HISTORY)
+    assert stats.finished == 1 and stats.max_seed_lag_tokens == 15
+    assert stats.accounting_errors == 0
+    if trail_page:
+        assert stats.foreign_page_accesses == stats.unbacked_accesses == stats.stale_reads == 0
+    else:
+        assert stats.unbacked_accesses > 0 and stats.foreign_page_accesses > 0
+
+
 # ============================================================================ (2) missing mirror
 def _draft_mgr(windows=(64,), pages=64, mode=Mode.DFLASH, **kw) -> DraftKVCacheManagerV2:
     cfg = KvCacheConfig(

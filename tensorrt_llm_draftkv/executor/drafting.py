@@ -118,6 +118,9 @@ class DFlashSpeculator:
         self._steps += 1
         if self._steps % ROW_CHECK_EVERY == 0:
             self.checker.check_rows()
+            ids = self.meta.request_ids
+            if ids:
+                self.checker.check_export(ids, self.draft_manager.get_block_offsets(ids, "cpp"), "cpp")
         for row in self.meta.rows:
             seed = self.meta.seeds.get(row.request_id)
             if seed is None or row.kind != "generation":

@@ -19,6 +19,7 @@ import torch
 
 from ..manager import KVCacheManagerV2, KVCacheResizeError
 from ..manager.admission import AdmissionRefused
+from ..manager.mirror_sizing import MirrorSizing
 from ..request import LlmRequest, LlmRequestState, ScheduledRequests, request_context
 from .scheduler import Scheduler
 from .target_model import TinyTarget
@@ -141,9 +142,15 @@ class Executor:
         return req
 
     def check_admission(self, req: LlmRequest) -> None:
-        """The draft manager's admission check against the charge its pool was sized with."""
-        if self.draft_manager is not None and hasattr(self.draft_manager, "check_admission"):
-            self.draft_manager.check_admission(req, chunk=self.scheduler.config.chunk_size)
+        """The draft manager's admission check against the charge its pool was sized with.
+
+        Not under the `legacy` sizing: the pre-fix executor admitted every request,
+        and its runs exist to show the resize failure that followed.
+        """
+        dm = self.draft_manager
+        if dm is None or not hasattr(dm, "check_admission") or dm.sizing is MirrorSizing.LEGACY:
+            return
+        dm.check_admission(req, chunk=self.scheduler.config.chunk_size)
 
     def refuse(self, err: AdmissionRefused) -> None:
         self.stats.refused_requests += 1
