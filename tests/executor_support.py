@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tensorrt_llm_draftkv.executor import SimSetup
+from tensorrt_llm_draftkv.sim import SimSetup
 
 # Chunk 512, windows 256/256, 16-token pages, 64 new tokens: each run takes a fraction of a second.
 SMALL = replace(

@@ -29,8 +29,8 @@ from tensorrt_llm_draftkv import (
     ScheduledRequests,
     SpeculativeDecodingMode as Mode,
 )
-from tensorrt_llm_draftkv.executor.scenario import SimSetup
-from tensorrt_llm_draftkv.executor.simulate import draft_pages_per_request
+from tensorrt_llm_draftkv.sim.scenario import SimSetup
+from tensorrt_llm_draftkv.sim.simulate import draft_pages_per_request
 from tensorrt_llm_draftkv.manager.admission import (
     AdmissionRefused,
     generation_peak_pages,

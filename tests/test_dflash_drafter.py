@@ -9,16 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorrt_llm_draftkv.speculative import (
-    DFlashDrafter,
-    DFlashDrafterConfig,
-    DFlashSpecMetadata,
-    DraftLoop,
-    OwnershipViolation,
-    TokenFeatures,
-    acceptance,
-    phrase_stream,
-)
+from tensorrt_llm_draftkv.speculative import DFlashSpecMetadata
+from tensorrt_llm_draftkv.sim import DFlashDrafter, DFlashDrafterConfig, DraftLoop, OwnershipViolation, TokenFeatures, acceptance, phrase_stream
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tensorrt_llm_draftkv.kernels import HAVE_TRITON, LAUNCH_COUNTS, BlockTables, PagedLatentPrep
-from tensorrt_llm_draftkv.speculative import DFlashSpecMetadata, DraftLoop, phrase_stream
+from tensorrt_llm_draftkv.speculative import DFlashSpecMetadata
+from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -19,7 +19,7 @@ import random
 import pytest
 import torch
 
-from tensorrt_llm_draftkv.speculative import DraftLoop, phrase_stream
+from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
 
 
 @pytest.fixture(autouse=True, scope="module")

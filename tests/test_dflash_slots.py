@@ -10,16 +10,8 @@ import torch
 
 from tensorrt_llm_draftkv import LlmRequest, LlmRequestState, ScheduledRequests
 from tensorrt_llm_draftkv.request import ContextView
-from tensorrt_llm_draftkv.speculative import (
-    DFlashSpecMetadata,
-    DraftLoop,
-    NoFreeSlotError,
-    SlotStart,
-    context_store_start,
-    generation_seed,
-    page_aligned_seed,
-    phrase_stream,
-)
+from tensorrt_llm_draftkv.speculative import DFlashSpecMetadata, NoFreeSlotError, SlotStart, context_store_start, generation_seed, page_aligned_seed
+from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tensorrt_llm_draftkv import ScheduledRequests
-from tensorrt_llm_draftkv.speculative import DraftLoop, NoFreeSlotError, phrase_stream
+from tensorrt_llm_draftkv.speculative import NoFreeSlotError
+from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
 
 P = 16
 BS = 4

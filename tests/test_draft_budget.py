@@ -36,7 +36,7 @@ from tensorrt_llm_draftkv.manager.budget import (
     trail_cost,
     windowed_pages_per_request,
 )
-from tensorrt_llm_draftkv.planner import PoolGeometry, format_report, plan_pool, trail_tokens_for
+from tensorrt_llm_draftkv.manager.planner import PoolGeometry, format_report, plan_pool, trail_tokens_for
 from tensorrt_llm_draftkv.request import ContextView
 
 KIB = 1024

@@ -14,9 +14,9 @@ from functools import partial
 
 import torch
 
-from tensorrt_llm_draftkv.executor import RunSpec
-from tensorrt_llm_draftkv.executor.disagg import run_disaggregated
-from tensorrt_llm_draftkv.executor.simulate import run_one, target_only_outputs
+from tensorrt_llm_draftkv.sim import RunSpec
+from tensorrt_llm_draftkv.sim.disagg import run_disaggregated
+from tensorrt_llm_draftkv.sim.simulate import run_one, target_only_outputs
 from tensorrt_llm_draftkv.manager.mirror_sizing import MirrorSizing
 
 # The small geometry and the autouse fixtures (one thread, reference kernels) are shared.

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field, replace
 import pytest
 import torch
 
-from tensorrt_llm_draftkv.executor import Executor, SimSetup
-from tensorrt_llm_draftkv.executor.disagg import admit_transfer, transfer_from
-from tensorrt_llm_draftkv.executor.prompts import phrase_bank, phrase_prompt
-from tensorrt_llm_draftkv.executor.simulate import build_executor, draft_pages_per_request, target_only_outputs
+from tensorrt_llm_draftkv.sim import Executor, SimSetup
+from tensorrt_llm_draftkv.sim.disagg import admit_transfer, transfer_from
+from tensorrt_llm_draftkv.sim.prompts import phrase_bank, phrase_prompt
+from tensorrt_llm_draftkv.sim.simulate import build_executor, draft_pages_per_request, target_only_outputs
 from tensorrt_llm_draftkv.manager.mirror_sizing import MirrorSizing
 
 HISTORY, LEGACY = MirrorSizing.HISTORY, MirrorSizing.LEGACY
@@ -446,7 +446,7 @@ def test_peak_draft_pages_per_request_reaches_the_estimate_and_never_exceeds_it(
 # -- the Triton kernels in the loop ---------------------------------------------------------------------------
 def test_executor_through_interpreted_triton_kernels(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from tensorrt_llm_draftkv.kernels import api
+    from tensorrt_llm_draftkv.kernels import spec_tail_kernels as api
 
     launches = []
     launch = api._launch
@@ -493,7 +493,7 @@ def test_aggregated_executor_evicts_and_reseeds_when_prompts_wait_for_a_row():
 
 
 def test_reserving_a_context_row_never_lets_generation_take_the_whole_batch():
-    from tensorrt_llm_draftkv.executor import Scheduler, SchedulerConfig
+    from tensorrt_llm_draftkv.sim import Scheduler, SchedulerConfig
     from tensorrt_llm_draftkv.request import LlmRequest, LlmRequestState
 
     sched = Scheduler(SchedulerConfig(max_num_tokens=4096, max_num_requests=4, max_batch_size=2,

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tensorrt_llm_draftkv.executor.scheduler import Scheduler, SchedulerConfig
+from tensorrt_llm_draftkv.sim.scheduler import Scheduler, SchedulerConfig
 from tensorrt_llm_draftkv.request import LlmRequest, LlmRequestState
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tensorrt_llm_draftkv.config import KvCacheConfig, LayerGroupConfig
-from tensorrt_llm_draftkv.executor.prompts import phrase_bank, phrase_prompt
-from tensorrt_llm_draftkv.executor.target_model import TinyTarget, TinyTargetConfig, UnbackedAccessError
+from tensorrt_llm_draftkv.sim.prompts import phrase_bank, phrase_prompt
+from tensorrt_llm_draftkv.sim.target_model import TinyTarget, TinyTargetConfig, UnbackedAccessError
 from tensorrt_llm_draftkv.manager import KVCacheManagerV2
 from tensorrt_llm_draftkv.request import LlmRequest, ScheduledRequests
 from tensorrt_llm_draftkv.runtime import BAD_PAGE_INDEX

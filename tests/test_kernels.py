@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tensorrt_llm_draftkv.kernels as K
-from tensorrt_llm_draftkv.kernels import api
+from tensorrt_llm_draftkv.kernels import spec_tail_kernels as api
 
 try:
     from hypothesis import given, settings

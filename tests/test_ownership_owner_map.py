@@ -35,8 +35,8 @@ from tensorrt_llm_draftkv import (
     SpeculativeDecodingMode,
 )
 from tensorrt_llm_draftkv.runtime import KVCache, LayerGroup, LifeCycle, PagePool
-from tensorrt_llm_draftkv.speculative import DraftLoop, phrase_stream
-from tensorrt_llm_draftkv.speculative.ownership import OwnershipChecker, OwnershipViolation
+from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
+from tensorrt_llm_draftkv.sim.ownership import OwnershipChecker, OwnershipViolation
 
 
 @pytest.fixture(autouse=True, scope="module")

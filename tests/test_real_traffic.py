@@ -24,14 +24,14 @@ from tensorrt_llm_draftkv import (
     ScheduledRequests,
     SpeculativeDecodingMode,
 )
-from tensorrt_llm_draftkv.executor import RunSpec
-from tensorrt_llm_draftkv.executor.disagg import admit_transfer, transfer_from, transfer_range
-from tensorrt_llm_draftkv.executor.prompts import phrase_prompt
-from tensorrt_llm_draftkv.executor.simulate import build_executor, run_one, target_only_outputs
+from tensorrt_llm_draftkv.sim import RunSpec
+from tensorrt_llm_draftkv.sim.disagg import admit_transfer, transfer_from, transfer_range
+from tensorrt_llm_draftkv.sim.prompts import phrase_prompt
+from tensorrt_llm_draftkv.sim.simulate import build_executor, run_one, target_only_outputs
 from tensorrt_llm_draftkv.manager.mirror_sizing import MirrorSizing
 from tensorrt_llm_draftkv.request import ContextView
 from tensorrt_llm_draftkv.runtime import BAD_PAGE_INDEX
-from tensorrt_llm_draftkv.speculative import DraftLoop, phrase_stream
+from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
 
 from executor_support import SMALL, one_thread_per_process, reference_kernels  # noqa: F401
 

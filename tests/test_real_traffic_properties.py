@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from tensorrt_llm_draftkv import LlmRequest, LlmRequestState, ScheduledRequests, SpeculativeDecodingMode
 from tensorrt_llm_draftkv.request import ContextView
-from tensorrt_llm_draftkv.speculative import DraftLoop, phrase_stream
+from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
 
 
 @pytest.fixture(autouse=True, scope="module")

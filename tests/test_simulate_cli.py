@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from tensorrt_llm_draftkv.executor.scenario import DEFAULT_SCENARIO
-from tensorrt_llm_draftkv.executor.simulate import draft_pages_per_request
+from tensorrt_llm_draftkv.sim.scenario import DEFAULT_SCENARIO
+from tensorrt_llm_draftkv.sim.simulate import draft_pages_per_request
 
 REPO = Path(__file__).resolve().parents[1]
 ISSUE_KEYS = {

@@ -3,10 +3,10 @@
 ``decode_draft_block_table`` turns one pool's exported block offsets into page
 tables and extents; ``rebase_block_table`` shifts rows past their base pages;
 ``prepare_paged_latent`` does a DFlash generation step's whole preparation in
-one launch. Each has a ``*_reference`` twin in plain torch; see ``api.py`` for
+one launch. Each has a ``*_reference`` twin in plain torch; see ``spec_tail_kernels.py`` for
 the coordinates and the dispatch rules.
 """
-from .api import (
+from .spec_tail_kernels import (
     HAVE_TRITON,
     LAUNCH_COUNTS,
     BlockTables,

@@ -16,7 +16,7 @@ tokens (its positions are the absolute ones minus that lag). The drafter never
 reads context below ``b*P`` nor anything at or past ``L + block_size``.
 
 Executor call order, every step (``meta`` = this object, ``drafter`` =
-:class:`~tensorrt_llm_draftkv.speculative.DFlashDrafter` bound to it and to the
+:class:`~tensorrt_llm_draftkv.sim.DFlashDrafter` (the simulator's toy drafter) bound to it and to the
 draft manager ``dm``)::
 
     dm.prepare_resources(batch)                    # (0) size the mirrors (and

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import LayerGroupConfig, SpeculativeDecodingMode
-from .manager.budget import (
+from ..config import LayerGroupConfig, SpeculativeDecodingMode
+from .budget import (
     bytes_per_page,
     group_pages_per_request,
     max_concurrency,

@@ -32,7 +32,7 @@ import torch
 
 from ..config import KvCacheConfig, LayerGroupConfig, SpeculativeDecodingMode
 from ..request import ContextView, LlmRequest, LlmRequestState, ScheduledRequests
-from .dflash_metadata import DFlashSpecMetadata, required_extra_kv_tokens
+from ..speculative.dflash_metadata import DFlashSpecMetadata, required_extra_kv_tokens
 from .drafter import DFlashDrafter, DFlashDrafterConfig
 from .features import TokenFeatures, acceptance
 from .ownership import OwnershipChecker

@@ -17,14 +17,10 @@ import torch
 from ..manager import DraftKVCacheManagerV2
 from ..manager.mirror_sizing import MirrorSizing
 from ..request import LlmRequest, ScheduledRequests
-from ..speculative import (
-    DFlashDrafter,
-    DFlashDrafterConfig,
-    DFlashSpecMetadata,
-    OwnershipChecker,
-    Seeding,
-    TokenFeatures,
-)
+from ..speculative import DFlashSpecMetadata, Seeding
+from .drafter import DFlashDrafter, DFlashDrafterConfig
+from .features import TokenFeatures
+from .ownership import OwnershipChecker
 
 FEATURE_SEED = 2024
 ROW_CHECK_EVERY = 16  # steps between full row checks of the ownership checker

@@ -15,7 +15,6 @@ for each layer group g. A header with request_id -1 ends the stream.
 """
 from __future__ import annotations
 
-import os
 import queue as _queue
 import socket
 import traceback
@@ -145,7 +144,6 @@ def admit_transfer(item: Transfer, executor) -> LlmRequest:
 
 
 def _worker(rank: int, port: int, backend: str, build: Callable[[int], Any], prompts: list[torch.Tensor], queue) -> None:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         if backend == "nccl":

@@ -2,7 +2,7 @@
 
 Shape of the model. ``block_size - 1`` attention layers, one per draft offset,
 with hand-set weights (no training) over the hidden states of
-:class:`~tensorrt_llm_draftkv.speculative.features.TokenFeatures`:
+:class:`~tensorrt_llm_draftkv.sim.features.TokenFeatures`:
 
 * layer ``l``'s K of a context position ``s`` is feature section ``l`` (the
   token ``l`` places before ``s``) in the first ``feature_dim`` channels of
@@ -29,7 +29,7 @@ coordinates for a window ``W`` (the block and its context span the last ``W``
 positions up to the block's end), the whole ``[0, read_len)`` without one.
 
 The same code runs on CPU and CUDA; the pools decide the device. With a
-:class:`~tensorrt_llm_draftkv.speculative.ownership.OwnershipChecker` attached
+:class:`~tensorrt_llm_draftkv.sim.ownership.OwnershipChecker` attached
 every write and every read within the attended span is reported to it.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from ..request import LlmRequest
-from .dflash_metadata import DFlashSpecMetadata
+from ..speculative.dflash_metadata import DFlashSpecMetadata
 from .features import TokenFeatures
 from .ownership import OwnershipChecker
 
