@@ -40,7 +40,7 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
         self.spec_mode = spec_mode
         self.policy = rules.MirrorPolicy(spec_mode, rules.MirrorSizing.parse(sizing), joint_kv_cache_reuse)
         self._trail_page = trail_page
-        self._config_for_trail = config
+        self.config = config  # the base class sets it too; the trail answer needs it first
         super().__init__(config, max_draft_len=max_draft_len, num_extra_kv_tokens=num_extra_kv_tokens)
 
     # -- policy answers ---------------------------------------------------------
@@ -58,17 +58,25 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
         return self.is_draft and rules.mirror_uses_draft_view(self.policy)
 
     @property
-    def _draft_slot_trail_tokens(self) -> int:
-        config = self._config_for_trail
+    def draft_slot_trail_tokens(self) -> int:
+        """Tokens kept below every window of this pool for a trailing drafter slot (one page, or 0).
+
+        The one answer the drafter's seeding, the estimators and the planner read.
+        """
         return rules.draft_slot_trail_tokens(
             self.policy,
-            tokens_per_block=config.tokens_per_block,
-            any_windowed_group=any(g.window is not None for g in config.layer_groups),
+            tokens_per_block=self.config.tokens_per_block,
+            any_windowed_group=any(g.window is not None for g in self.config.layer_groups),
             trail_page=self._trail_page and self.is_draft,
         )
 
+    @property
+    def _draft_slot_trail_tokens(self) -> int:
+        """Upstream's name for :attr:`draft_slot_trail_tokens`."""
+        return self.draft_slot_trail_tokens
+
     def _window_widening_tokens(self) -> int:
-        return self._draft_slot_trail_tokens
+        return self.draft_slot_trail_tokens
 
     def _mirror_view(self, req: LlmRequest) -> ContextView:
         assert req.draft_view is not None
@@ -144,7 +152,7 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
             max_seq_len=self.config.max_seq_len if max_seq_len is None else max_seq_len,
             max_draft_len=self.max_draft_len,
             num_extra_kv_tokens=self.num_extra_kv_tokens,
-            trail_tokens=self._draft_slot_trail_tokens,
+            trail_tokens=self.draft_slot_trail_tokens,
             aligned=aligned,
         )
 

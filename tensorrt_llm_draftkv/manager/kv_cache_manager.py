@@ -64,6 +64,11 @@ class KVCacheManagerV2:
         return 0
 
     @property
+    def draft_slot_trail_tokens(self) -> int:
+        """Tokens kept below every window for a trailing drafter slot: none in a target pool."""
+        return 0
+
+    @property
     def generation_headroom(self) -> int:
         """Tokens a generation step puts above history: the new token, drafts, extra."""
         return 1 + self.max_draft_len + self.num_extra_kv_tokens

@@ -396,7 +396,7 @@ class DFlashSpecMetadata:
             return self.page_aligned_seed
         return rules.page_aligned_seed(
             windows=tuple(g.window for g in dm.config.layer_groups),
-            trail_tokens=getattr(dm, "_draft_slot_trail_tokens", 0),
+            trail_tokens=dm.draft_slot_trail_tokens,
             tokens_per_block=self.tokens_per_block,
         )
 
