@@ -6,8 +6,8 @@ On CUDA, per (B, M):
   * ``fused``: ``prepare_paged_latent`` (one Triton launch, preallocated ``out``),
     median of ``triton.testing.do_bench`` (L2 flushed before every call);
   * ``graph``: the same call captured in a CUDA graph, replayed;
-  * ``eager``: ``eager_prepare_paged_latent`` (the upstream-style multi-op path
-    with its host round trip), same timer;
+  * ``eager``: ``eager_prepare_paged_latent`` (``benchmarks/eager_baseline.py``, the
+    upstream-style multi-op path with its host round trip), same timer;
   * bytes the step must move (rows' in-extent entries read, full read table
     written, per-row scalars, query positions and store targets), achieved
     GB/s, and a device-to-device copy moving the same number of bytes (half read,
@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # `python benchmarks/kernels.py`
 
 import torch  # noqa: E402
 
+from benchmarks.eager_baseline import eager_prepare_paged_latent  # noqa: E402
 from tensorrt_llm_draftkv import kernels as K  # noqa: E402
 
 BATCHES = (1, 8, 64, 256, 1024)
@@ -124,7 +125,7 @@ def bench_cuda(batches, max_blocks, with_decode=True, sweep=True):
             inputs, kw = make_inputs(B, M, dev)
             out = K.PagedLatentPrep.empty(B, M, kw["block_size"], kw["max_new"], device=dev)
             fused = lambda: K.prepare_paged_latent(*inputs, **kw, out=out)  # noqa: E731
-            eager = lambda: K.eager_prepare_paged_latent(*inputs, **kw)  # noqa: E731
+            eager = lambda: eager_prepare_paged_latent(*inputs, **kw)  # noqa: E731
             fused()
             torch.cuda.synchronize()
             ref = K.prepare_paged_latent_reference(*inputs, **kw)
@@ -216,7 +217,7 @@ def bench_cpu(batches, max_blocks, reps):
         for B in batches:
             inputs, kw = make_inputs(B, M, "cpu")
             ref = lambda: K.prepare_paged_latent_reference(*inputs, **kw)  # noqa: E731
-            eager = lambda: K.eager_prepare_paged_latent(*inputs, **kw)  # noqa: E731
+            eager = lambda: eager_prepare_paged_latent(*inputs, **kw)  # noqa: E731
             t_ref = _median_wall(ref, reps)
             t_eager = _median_wall(eager, reps)
             nbytes = step_bytes(inputs, kw)
@@ -255,6 +256,29 @@ def print_row(r, file=sys.stdout):
     print(fmt_row(r), file=file, flush=True)
 
 
+def print_cuda_extras(result: dict) -> None:
+    """The CUDA run's extra tables: decode timings, BLOCK sweep, host cost, launch counts."""
+    if result.get("decode"):
+        print("\ndecode_draft_block_table (python backend, pool 1 of 2): Triton vs torch reference")
+        print("|    B |     M | triton µs | graph µs | torch µs | torch/triton | triton GB/s | graph GB/s |")
+        print("|-----:|------:|----------:|---------:|---------:|-------------:|------------:|-----------:|")
+        for r in result["decode"]:
+            print(f"| {r['B']:4d} | {r['M']:5d} | {r['triton_us']:9.1f} | {r['graph_us']:8.1f} | {r['torch_us']:8.1f} | "
+                  f"{r['speedup']:11.1f}x | {r['gbs']:11.1f} | {r['graph_gbs']:10.1f} |")
+    if result.get("block_sweep"):
+        print("\nBLOCK sweep, prepare_paged_latent, direct launches (default BLOCK: kernels._checks.pick_block)")
+        for r in result["block_sweep"]:
+            print(f"  B={r['B']:4d} M={r['M']:5d} BLOCK={r['block']:5d}: {r['us']:8.1f} µs  {r['gbs']:8.1f} GB/s")
+    h = result.get("host")
+    if h:
+        print(f"\nhost-side cost per call (B={h['B']}, M={h['M']}, back-to-back, no sync): "
+              f"fused {h['fused_us']:.1f} µs, graph replay {h['graph_replay_us']:.1f} µs, eager {h['eager_us']:.1f} µs")
+    la = result["launches"]
+    print(f"\nkernel launches per call (torch.profiler, B={la['B']}, M={la['M']}): "
+          f"fused {la['fused']} kernel(s) + {la['fused_copies']} memcpy/memset; "
+          f"eager {la['eager']} kernel(s) + {la['eager_copies']} memcpy/memset")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small grid, few repetitions (CPU smoke run)")
@@ -290,25 +314,7 @@ def main(argv=None) -> int:
     for r in rows:
         print_row(r)
     if use_cuda:
-        if result.get("decode"):
-            print("\ndecode_draft_block_table (python backend, pool 1 of 2): Triton vs torch reference")
-            print("|    B |     M | triton µs | graph µs | torch µs | torch/triton | triton GB/s | graph GB/s |")
-            print("|-----:|------:|----------:|---------:|---------:|-------------:|------------:|-----------:|")
-            for r in result["decode"]:
-                print(f"| {r['B']:4d} | {r['M']:5d} | {r['triton_us']:9.1f} | {r['graph_us']:8.1f} | {r['torch_us']:8.1f} | "
-                      f"{r['speedup']:11.1f}x | {r['gbs']:11.1f} | {r['graph_gbs']:10.1f} |")
-        if result.get("block_sweep"):
-            print("\nBLOCK sweep, prepare_paged_latent, direct launches (default BLOCK: api._pick_block)")
-            for r in result["block_sweep"]:
-                print(f"  B={r['B']:4d} M={r['M']:5d} BLOCK={r['block']:5d}: {r['us']:8.1f} µs  {r['gbs']:8.1f} GB/s")
-        h = result.get("host")
-        if h:
-            print(f"\nhost-side cost per call (B={h['B']}, M={h['M']}, back-to-back, no sync): "
-                  f"fused {h['fused_us']:.1f} µs, graph replay {h['graph_replay_us']:.1f} µs, eager {h['eager_us']:.1f} µs")
-        la = result["launches"]
-        print(f"\nkernel launches per call (torch.profiler, B={la['B']}, M={la['M']}): "
-              f"fused {la['fused']} kernel(s) + {la['fused_copies']} memcpy/memset; "
-              f"eager {la['eager']} kernel(s) + {la['eager_copies']} memcpy/memset")
+        print_cuda_extras(result)
     if args.json:
         clean = lambda v: None if isinstance(v, float) and v != v else v  # noqa: E731  NaN -> null
         for key in ("prepare", "decode", "block_sweep"):

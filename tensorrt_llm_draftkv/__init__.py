@@ -2,7 +2,7 @@
 
 See README.md for what the package fixes and how an executor uses it.
 """
-from .config import KvCacheConfig, LayerGroupConfig, SpeculativeDecodingMode
+from .config import KVPoolConfig, LayerGroupConfig, SpeculativeDecodingMode
 from .manager import DraftKVCacheManagerV2, KVCacheManagerV2, KVCacheResizeError, MirrorSizing, MissingKVCacheError
 from .request import LlmRequest, LlmRequestState, ScheduledRequests, request_context
 from .runtime import BAD_PAGE_INDEX
@@ -16,7 +16,7 @@ __all__ = [
     "MirrorSizing",
     "KVCacheResizeError",
     "MissingKVCacheError",
-    "KvCacheConfig",
+    "KVPoolConfig",
     "LayerGroupConfig",
     "LlmRequest",
     "LlmRequestState",
@@ -24,3 +24,12 @@ __all__ = [
     "SpeculativeDecodingMode",
     "request_context",
 ]
+
+
+def __getattr__(name: str):
+    """`KvCacheConfig`: a deprecated alias of `KVPoolConfig` (warns DeprecationWarning)."""
+    from . import config as _config
+
+    if name in _config._DEPRECATED_ALIASES:
+        return _config._deprecated_alias(__name__, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,7 +27,14 @@ class SpeculativeDecodingMode(enum.Enum):
         return self in (SpeculativeDecodingMode.DFLASH, SpeculativeDecodingMode.DSPARK)
 
     @classmethod
-    def parse(cls, text: str) -> "SpeculativeDecodingMode":
+    def parse(cls, text: "str | SpeculativeDecodingMode") -> "SpeculativeDecodingMode":
+        """A mode from its value or name (any case, '-' for '_'); a mode passes through."""
+        if isinstance(text, cls):
+            return text
+        if not isinstance(text, str):
+            raise TypeError(
+                f"a speculative decoding mode is a SpeculativeDecodingMode or a string, got {type(text).__name__}"
+            )
         key = text.strip().lower().replace("-", "_")
         for mode in cls:
             if mode.value == key or mode.name.lower() == key:
@@ -81,8 +88,11 @@ _DTYPES = {
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """A torch dtype from a torch dtype or one of the names in `_DTYPES` (any case)."""
     if isinstance(name, torch.dtype):
         return name
+    if not isinstance(name, str):
+        raise TypeError(f"a dtype is a torch.dtype or a string, got {type(name).__name__}")
     try:
         return _DTYPES[name.lower()]
     except KeyError:
@@ -90,12 +100,17 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 @dataclass(frozen=True)
-class KvCacheConfig:
+class KVPoolConfig:
     """Geometry of one manager's pools: one pool per layer group.
 
     `pages_per_group[i]` is the number of pages (each `tokens_per_block` tokens of
     every layer in group i) that pool i holds; `guard_page` adds one reserved page
     per pool that unbacked block-table entries resolve to in the "cpp" export.
+    `dtype` is a torch dtype or its name ("bf16", "float16", ...: see `parse_dtype`).
+
+    Not TensorRT-LLM's user-facing `KvCacheConfig` (memory fraction, max tokens,
+    block reuse): this is only the pools' geometry. `KvCacheConfig` remains here as
+    a deprecated alias of this class for one release.
     """
 
     layer_groups: tuple[LayerGroupConfig, ...]
@@ -111,6 +126,7 @@ class KvCacheConfig:
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         if self.tokens_per_block < 1:
             raise ValueError(f"tokens_per_block must be >= 1, got {self.tokens_per_block}")
         if len(self.layer_groups) == 0:
@@ -134,3 +150,27 @@ class KvCacheConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_seq_len // self.tokens_per_block)
+
+
+# -- deprecated names ------------------------------------------------------------------
+_DEPRECATED_ALIASES = {"KvCacheConfig": "KVPoolConfig"}
+
+
+def _deprecated_alias(module_name: str, name: str):
+    """The object a deprecated name stands for, after a DeprecationWarning naming the new name."""
+    import warnings
+
+    new = _DEPRECATED_ALIASES[name]
+    warnings.warn(
+        f"{module_name}.{name} is deprecated and will be removed in the next release; use {new} "
+        f"(it is the pool geometry, not TensorRT-LLM's LLM-API KvCacheConfig)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return globals()[new]
+
+
+def __getattr__(name: str):
+    if name in _DEPRECATED_ALIASES:
+        return _deprecated_alias(__name__, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

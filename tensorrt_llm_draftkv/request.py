@@ -153,11 +153,19 @@ class ScheduledRequests:
 
 @contextlib.contextmanager
 def request_context(is_draft: bool, batch: ScheduledRequests) -> Iterator[ScheduledRequests]:
-    """Within the block, every request of `batch` reads its draft view if `is_draft`."""
+    """Within the block, every request of `batch` presents its draft view if `is_draft`, else its target view.
+
+    What switches is the (position, chunk) view the request's context properties
+    read (`context_current_position`, `context_chunk_size`, `is_first_context_chunk`,
+    `is_last_context_chunk`, `advance_context_chunk`) and so whatever sizes from
+    them, such as a draft manager's draft-view mirror. Leaving the block, also on an
+    exception, puts every request's `use_draft_model` back as it was (blocks nest).
+    Unlike upstream, `is_draft=False` is not a no-op: it forces the target view.
+    """
     saved = [(req, req.use_draft_model) for req in batch.all_requests()]
     try:
         for req, _ in saved:
-            req.use_draft_model = is_draft
+            req.use_draft_model = bool(is_draft)
         yield batch
     finally:
         for req, flag in saved:

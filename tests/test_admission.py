@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from tensorrt_llm_draftkv import (
     DraftKVCacheManagerV2,
     KVCacheResizeError,
-    KvCacheConfig,
+    KVPoolConfig,
     LayerGroupConfig,
     LlmRequest,
     LlmRequestState,
@@ -40,7 +40,7 @@ from tensorrt_llm_draftkv.manager.admission import (
     request_charge,
 )
 from tensorrt_llm_draftkv.manager.budget import group_pages_per_request, windowed_pages_per_request
-from tensorrt_llm_draftkv.manager.mirror_sizing import MirrorPolicy
+from tensorrt_llm_draftkv.manager.rules import MirrorPolicy
 from tensorrt_llm_draftkv.request import ContextView
 from tensorrt_llm_draftkv.runtime import LifeCycle
 
@@ -54,7 +54,7 @@ def manager(
 ) -> DraftKVCacheManagerV2:
     if isinstance(pages, int):
         pages = (pages,) * len(windows)
-    config = KvCacheConfig(
+    config = KVPoolConfig(
         layer_groups=tuple(LayerGroupConfig(1, window=w, sink_blocks=sinks) for w in windows),
         pages_per_group=tuple(pages),
         tokens_per_block=p,
@@ -76,7 +76,7 @@ def gen(req) -> ScheduledRequests:
 
 
 def state(mgr) -> tuple:
-    return ({rid: mgr.get_cache(rid).snapshot() for rid in mgr.request_ids()}, mgr.free_pages())
+    return ({rid: mgr.get_cache(rid).checkpoint() for rid in mgr.request_ids()}, mgr.free_pages())
 
 
 # =============================================================================================
@@ -192,7 +192,7 @@ def test_a_full_attention_group_generating_up_to_max_seq_len_is_refused():
 
 
 def test_a_legacy_generation_init_mirror_is_refused_naming_the_legacy_rules():
-    config = KvCacheConfig((LayerGroupConfig(1, window=64),), (0,), tokens_per_block=16, num_kv_heads=1, head_dim=1)
+    config = KVPoolConfig((LayerGroupConfig(1, window=64),), (0,), tokens_per_block=16, num_kv_heads=1, head_dim=1)
     mgr = DraftKVCacheManagerV2(config, spec_mode=Mode.DFLASH, max_draft_len=3, sizing="legacy")
     req = LlmRequest(5, prompt_len=1000, state=LlmRequestState.DISAGG_GENERATION_INIT)
     with pytest.raises(AdmissionRefused, match=r"request 5 refused.*generation-init.*legacy") as info:

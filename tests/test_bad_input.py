@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tensorrt_llm_draftkv import (
-    KvCacheConfig,
+    KVPoolConfig,
     KVCacheManagerV2,
     LayerGroupConfig,
     LlmRequest,
@@ -17,7 +17,7 @@ from tensorrt_llm_draftkv.runtime import KVCache, LayerGroup, LifeCycle, PagePoo
 
 
 def make_mgr(pages=(32, 32), p=4):
-    config = KvCacheConfig(
+    config = KVPoolConfig(
         layer_groups=(LayerGroupConfig(1, window=6), LayerGroupConfig(1)),
         pages_per_group=pages,
         tokens_per_block=p,
@@ -47,7 +47,7 @@ def full_state(mgr):
     """Everything observable: ids, every cache snapshot, every free list in order, held sets, storage."""
     return (
         mgr.request_ids(),
-        {rid: mgr.get_cache(rid).snapshot() for rid in mgr.request_ids()},
+        {rid: mgr.get_cache(rid).checkpoint() for rid in mgr.request_ids()},
         [(list(pool._free), frozenset(pool._held), pool.total) for pool in mgr.pools()],
         [[layer.clone() for layer in pool.layers] for pool in mgr.pools()],
     )
@@ -64,7 +64,7 @@ def assert_same(a, b):
 @pytest.mark.parametrize("p", [0, -1, -32])
 def test_non_positive_tokens_per_block(p):
     with pytest.raises(ValueError, match=rf"tokens_per_block must be >= 1, got {p}\b"):
-        KvCacheConfig(layer_groups=(LayerGroupConfig(1),), pages_per_group=(4,), tokens_per_block=p)
+        KVPoolConfig(layer_groups=(LayerGroupConfig(1),), pages_per_group=(4,), tokens_per_block=p)
     with pytest.raises(ValueError, match=rf"got {p}\b"):
         PagePool(4, tokens_per_block=p)
     with pytest.raises(ValueError, match=rf"got {p}\b"):
@@ -119,18 +119,18 @@ def test_negative_sinks_and_layers():
 @pytest.mark.parametrize("pages", [-1, -12])
 def test_negative_pool_size(pages):
     with pytest.raises(ValueError, match=rf"layer group 1: pool size must be >= 0 pages, got {pages}\b"):
-        KvCacheConfig(layer_groups=(LayerGroupConfig(1), LayerGroupConfig(1, window=4)), pages_per_group=(4, pages))
+        KVPoolConfig(layer_groups=(LayerGroupConfig(1), LayerGroupConfig(1, window=4)), pages_per_group=(4, pages))
     with pytest.raises(ValueError, match=rf"num_pages={pages}\b"):
         PagePool(pages, tokens_per_block=4)
 
 
 def test_config_shape_errors():
     with pytest.raises(ValueError, match=r"pages_per_group has 1 entries for 2 layer groups"):
-        KvCacheConfig(layer_groups=(LayerGroupConfig(1), LayerGroupConfig(1)), pages_per_group=(4,))
+        KVPoolConfig(layer_groups=(LayerGroupConfig(1), LayerGroupConfig(1)), pages_per_group=(4,))
     with pytest.raises(ValueError, match="at least one layer group"):
-        KvCacheConfig(layer_groups=(), pages_per_group=())
+        KVPoolConfig(layer_groups=(), pages_per_group=())
     with pytest.raises(ValueError, match=r"num_kv_heads must be >= 1, got 0"):
-        KvCacheConfig(layer_groups=(LayerGroupConfig(1),), pages_per_group=(4,), num_kv_heads=0)
+        KVPoolConfig(layer_groups=(LayerGroupConfig(1),), pages_per_group=(4,), num_kv_heads=0)
 
 
 # -- unknown request ids -------------------------------------------------------------------------------------------

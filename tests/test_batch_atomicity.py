@@ -9,7 +9,7 @@ from tensorrt_llm_draftkv import (
     DraftKVCacheManagerV2,
     KVCacheManagerV2,
     KVCacheResizeError,
-    KvCacheConfig,
+    KVPoolConfig,
     LayerGroupConfig,
     LlmRequest,
     LlmRequestState,
@@ -19,13 +19,13 @@ from tensorrt_llm_draftkv import (
 
 
 def _state(mgr: KVCacheManagerV2):
-    caches = {rid: mgr.get_cache(rid).snapshot() for rid in mgr.request_ids()}
+    caches = {rid: mgr.get_cache(rid).checkpoint() for rid in mgr.request_ids()}
     pools = [(sorted(p._free), sorted(p._held)) for p in mgr.pools()]
     return caches, pools
 
 
-def _config(pages: tuple[int, int]) -> KvCacheConfig:
-    return KvCacheConfig(
+def _config(pages: tuple[int, int]) -> KVPoolConfig:
+    return KVPoolConfig(
         (LayerGroupConfig(1, window=40), LayerGroupConfig(1)),
         pages_per_group=pages,
         tokens_per_block=8,

@@ -49,7 +49,7 @@ import torch
 
 from tensorrt_llm_draftkv import (
     DraftKVCacheManagerV2,
-    KvCacheConfig,
+    KVPoolConfig,
     KVCacheManagerV2,
     LayerGroupConfig,
     LlmRequest,
@@ -140,11 +140,9 @@ def test_group_estimator_equals_brute_force_with_sinks_and_trail():
 
 
 # -- the sweep over the real manager ----------------------------------------------------------------------------
-class _TrailTarget(KVCacheManagerV2):
+def _TrailTarget(config, **kw) -> KVCacheManagerV2:
     """The target manager with every window widened by one page (the estimator's `trail_tokens = P`)."""
-
-    def _window_widening_tokens(self) -> int:
-        return self.tokens_per_block
+    return KVCacheManagerV2(config, trail_tokens=config.tokens_per_block, **kw)
 
 
 def _worst_prompt(w_eff, sinks, p, c, headroom):
@@ -172,7 +170,7 @@ def _context_steps(prompt, c, d, e):
 def _run_request(rnd, geometry):
     """Drive one request; return per-group peaks, the generation-phase peak, max capacity, and the trace check."""
     p, w, sinks, c, d, e, prompt, kind = (geometry[k] for k in ("p", "w", "sinks", "c", "d", "e", "prompt", "kind"))
-    config = KvCacheConfig(
+    config = KVPoolConfig(
         layer_groups=(LayerGroupConfig(1, window=w, sink_blocks=sinks), LayerGroupConfig(1, window=None)),
         pages_per_group=(100_000, 100_000),
         tokens_per_block=p,
@@ -416,7 +414,7 @@ def test_max_concurrency_requests_fit_the_real_pool():
     pool_pages = 3 * per_request + per_request - 1
     n = max_concurrency(pool_pages, per_request)
     assert n == 3
-    config = KvCacheConfig(layer_groups=(LayerGroupConfig(1, window=w),), pages_per_group=(pool_pages,), tokens_per_block=p)
+    config = KVPoolConfig(layer_groups=(LayerGroupConfig(1, window=w),), pages_per_group=(pool_pages,), tokens_per_block=p)
     mgr = KVCacheManagerV2(config, max_draft_len=d)
     prompt = _worst_prompt(w, 0, p, c, c + d)
     reqs = [LlmRequest(i, prompt_len=prompt) for i in range(n)]

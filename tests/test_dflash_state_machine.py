@@ -167,7 +167,7 @@ class DraftKVMachine(RuleBasedStateMachine):
         self.errors_checked = True
         loop = self.loop
         before = meta_state(loop.meta)
-        dm_before = {rid: loop.dm.get_cache(rid).snapshot() for rid in loop.dm.request_ids()}
+        dm_before = {rid: loop.dm.get_cache(rid).checkpoint() for rid in loop.dm.request_ids()}
         with pytest.raises(KeyError, match="request 999999"):
             loop.meta.evict(999999)
         with pytest.raises(KeyError, match="request 999999"):
@@ -187,7 +187,7 @@ class DraftKVMachine(RuleBasedStateMachine):
             loop.dm.free_resources(req)
             loop.requests.pop(req.py_request_id)
             loop.truth.pop(req.py_request_id)
-        assert {rid: loop.dm.get_cache(rid).snapshot() for rid in loop.dm.request_ids()} == dm_before
+        assert {rid: loop.dm.get_cache(rid).checkpoint() for rid in loop.dm.request_ids()} == dm_before
 
     # ------------------------------------------------------------------ invariants
     @invariant()

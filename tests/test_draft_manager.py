@@ -17,7 +17,7 @@ from tensorrt_llm_draftkv import (
     DraftKVCacheManagerV2,
     KVCacheManagerV2,
     KVCacheResizeError,
-    KvCacheConfig,
+    KVPoolConfig,
     LayerGroupConfig,
     LlmRequest,
     LlmRequestState,
@@ -35,10 +35,10 @@ TRAILING = [Mode.DFLASH, Mode.DSPARK]
 NON_TRAILING_EXTERNAL = [Mode.PARD, Mode.DRAFT_TARGET_ONE_MODEL]
 
 
-def config(windows=(None,), pages=256, p=16, sinks=0) -> KvCacheConfig:
+def config(windows=(None,), pages=256, p=16, sinks=0) -> KVPoolConfig:
     if isinstance(pages, int):
         pages = (pages,) * len(windows)
-    return KvCacheConfig(
+    return KVPoolConfig(
         layer_groups=tuple(LayerGroupConfig(1, window=w, sink_blocks=sinks) for w in windows),
         pages_per_group=tuple(pages),
         tokens_per_block=p,
@@ -54,7 +54,7 @@ def ceil_div(a: int, b: int) -> int:
 def state(mgr) -> tuple:
     """Everything a resize may change: every cache and every pool's free count."""
     return (
-        {rid: mgr.get_cache(rid).snapshot() for rid in mgr.request_ids()},
+        {rid: mgr.get_cache(rid).checkpoint() for rid in mgr.request_ids()},
         mgr.free_pages(),
         tuple(sorted(g.pool._free) for g in mgr.layer_groups),
     )
@@ -477,7 +477,7 @@ def test_exhausted_pool_fails_explicitly_and_leaks_nothing(full_pool, mode, kind
         call = lambda: mgr.prepare_disagg_gen_init(fresh)  # noqa: E731
         phase, cap = "generation", 24
     else:
-        call = lambda: mgr.add_dummy_requests([2], [20], max_num_draft_tokens=DRAFT, history_hint=19)  # noqa: E731
+        call = lambda: mgr.add_dummy_requests([2], [20], is_gen=True, max_num_draft_tokens=DRAFT, history_hint=19)  # noqa: E731
         phase, cap = "dummy", 23
     assert state(mgr) == before  # admit_mirror changed nothing
     with pytest.raises(KVCacheResizeError, match=rf"^Draft KV cache {phase} resize failed for request 2: "

@@ -16,7 +16,7 @@ from tensorrt_llm_draftkv import (
     DraftKVCacheManagerV2,
     KVCacheManagerV2,
     KVCacheResizeError,
-    KvCacheConfig,
+    KVPoolConfig,
     LayerGroupConfig,
     LlmRequest,
     LlmRequestState,
@@ -26,8 +26,8 @@ from tensorrt_llm_draftkv import (
 from tensorrt_llm_draftkv.request import ContextView
 
 
-def config(window, pages, p, sinks=0) -> KvCacheConfig:
-    return KvCacheConfig(
+def config(window, pages, p, sinks=0) -> KVPoolConfig:
+    return KVPoolConfig(
         layer_groups=(LayerGroupConfig(1, window=window, sink_blocks=sinks),),
         pages_per_group=(pages,),
         tokens_per_block=p,
@@ -241,7 +241,7 @@ def test_windowed_draft_pool_backs_only_the_window_of_a_generation_dummy(mode, t
 
     # The target cache gets the same hint and backs its (unwidened) window.
     target = KVCacheManagerV2(config(window, 32, p), max_draft_len=drafts, num_extra_kv_tokens=extra)
-    target.add_dummy_requests([900], [tokens], max_num_draft_tokens=drafts, history_hint=hint)
+    target.add_dummy_requests([900], [tokens], is_gen=True, max_num_draft_tokens=drafts, history_hint=hint)
     assert backed(target.get_cache(900)) == overlapping(hint + 1 - window, capacity, p)
 
     # Legacy drops the hint: the dummy's mirror would back every ordinal from 0.
@@ -249,12 +249,12 @@ def test_windowed_draft_pool_backs_only_the_window_of_a_generation_dummy(mode, t
         config(window, 32, p), spec_mode=mode, max_draft_len=drafts, num_extra_kv_tokens=extra, sizing="legacy"
     )
     with pytest.raises(KVCacheResizeError, match=rf"dummy resize failed for request 900: could not resize to {capacity} tokens \(history unchanged\)"):
-        legacy.add_dummy_requests([900], [tokens], max_num_draft_tokens=drafts, history_hint=hint)
+        legacy.add_dummy_requests([900], [tokens], is_gen=True, max_num_draft_tokens=drafts, history_hint=hint)
     assert legacy.request_ids() == [] and legacy.free_pages() == (32,)
     big = DraftKVCacheManagerV2(
         config(window, 5000, p), spec_mode=mode, max_draft_len=drafts, num_extra_kv_tokens=extra, sizing="legacy"
     )
-    big.add_dummy_requests([900], [tokens], max_num_draft_tokens=drafts, history_hint=hint)
+    big.add_dummy_requests([900], [tokens], is_gen=True, max_num_draft_tokens=drafts, history_hint=hint)
     assert backed(big.get_cache(900)) == list(range(ceil_div(capacity, p)))
     big.free_resources(900)
     mgr.free_resources(900)

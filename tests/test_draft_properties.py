@@ -27,7 +27,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 from tensorrt_llm_draftkv import (  # noqa: E402
     BAD_PAGE_INDEX,
     DraftKVCacheManagerV2,
-    KvCacheConfig,
+    KVPoolConfig,
     LayerGroupConfig,
     LlmRequest,
     LlmRequestState,
@@ -113,7 +113,7 @@ def test_history_mirror_stays_within_the_estimate_and_never_fails(sc, data):
     groups = [LayerGroupConfig(1, window=sc["window"], sink_blocks=sc["sinks"])]
     if sc["full_group"]:
         groups.append(LayerGroupConfig(1, window=None))
-    config = KvCacheConfig(
+    config = KVPoolConfig(
         layer_groups=tuple(groups),
         pages_per_group=tuple(k * c for c in charge),
         tokens_per_block=p,
@@ -211,7 +211,7 @@ def test_history_mirror_stays_within_the_estimate_and_never_fails(sc, data):
 def test_legacy_needs_the_whole_prompt_where_history_needs_the_window(p, window, mode, drafts, chunk, prompt):
     """The same request on both rule sets: legacy backs [0, prompt + drafts) at once."""
     pages = 4096 // p + 64
-    cfg = KvCacheConfig((LayerGroupConfig(1, window=window),), (pages,), tokens_per_block=p, num_kv_heads=1, head_dim=1)
+    cfg = KVPoolConfig((LayerGroupConfig(1, window=window),), (pages,), tokens_per_block=p, num_kv_heads=1, head_dim=1)
     legacy = DraftKVCacheManagerV2(cfg, spec_mode=mode, max_draft_len=drafts, sizing="legacy")
     history = DraftKVCacheManagerV2(cfg, spec_mode=mode, max_draft_len=drafts)
     req_l = LlmRequest(1, prompt_len=prompt, target_view=ContextView(0, min(chunk, prompt)))

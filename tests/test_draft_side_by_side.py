@@ -14,7 +14,7 @@ import pytest
 from tensorrt_llm_draftkv import (
     DraftKVCacheManagerV2,
     KVCacheResizeError,
-    KvCacheConfig,
+    KVPoolConfig,
     LayerGroupConfig,
     LlmRequest,
     LlmRequestState,
@@ -53,7 +53,7 @@ def test_the_estimator_charge_for_this_geometry_from_first_principles():
 
 def make_manager(sizing: str) -> DraftKVCacheManagerV2:
     pages = CONCURRENCY * charge()
-    config = KvCacheConfig(
+    config = KVPoolConfig(
         layer_groups=(LayerGroupConfig(1, window=WINDOW),),
         pages_per_group=(pages,),
         tokens_per_block=P,

@@ -17,7 +17,7 @@ import torch
 from tensorrt_llm_draftkv.sim import RunSpec
 from tensorrt_llm_draftkv.sim.disagg import run_disaggregated
 from tensorrt_llm_draftkv.sim.simulate import run_one, target_only_outputs
-from tensorrt_llm_draftkv.manager.mirror_sizing import MirrorSizing
+from tensorrt_llm_draftkv.manager.rules import MirrorSizing
 
 # The small geometry and the autouse fixtures (one thread, reference kernels) are shared.
 from executor_support import SMALL, one_thread_per_process, reference_kernels  # noqa: E402,F401

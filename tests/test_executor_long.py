@@ -18,7 +18,7 @@ from filelock import FileLock
 
 from tensorrt_llm_draftkv.sim.scenario import DEFAULT_SCENARIO, prompt_seeds
 from tensorrt_llm_draftkv.sim.simulate import draft_pages_per_request, run_one
-from tensorrt_llm_draftkv.manager.mirror_sizing import MirrorSizing
+from tensorrt_llm_draftkv.manager.rules import MirrorSizing
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ from tensorrt_llm_draftkv.sim import Executor, SimSetup
 from tensorrt_llm_draftkv.sim.disagg import admit_transfer, transfer_from
 from tensorrt_llm_draftkv.sim.prompts import phrase_bank, phrase_prompt
 from tensorrt_llm_draftkv.sim.simulate import build_executor, draft_pages_per_request, target_only_outputs
-from tensorrt_llm_draftkv.manager.mirror_sizing import MirrorSizing
+from tensorrt_llm_draftkv.manager.rules import MirrorSizing
 
 HISTORY, LEGACY = MirrorSizing.HISTORY, MirrorSizing.LEGACY
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorrt_llm_draftkv.config import KvCacheConfig, LayerGroupConfig
+from tensorrt_llm_draftkv.config import KVPoolConfig, LayerGroupConfig
 from tensorrt_llm_draftkv.sim.prompts import phrase_bank, phrase_prompt
 from tensorrt_llm_draftkv.sim.target_model import TinyTarget, TinyTargetConfig, UnbackedAccessError
 from tensorrt_llm_draftkv.manager import KVCacheManagerV2
@@ -25,7 +25,7 @@ VOCAB = 256
 
 
 def make_target(window: int | None, pages: int = 256) -> TinyTarget:
-    cfg = KvCacheConfig(
+    cfg = KVPoolConfig(
         (LayerGroupConfig(2, window=window),),
         pages_per_group=(pages,),
         tokens_per_block=P,
@@ -210,7 +210,7 @@ def test_predictions_are_deterministic_across_instances():
 
 
 def test_target_checks_its_pool_geometry():
-    cfg = KvCacheConfig(
+    cfg = KVPoolConfig(
         (LayerGroupConfig(1, window=None),),
         pages_per_group=(8,),
         tokens_per_block=P,

@@ -6,18 +6,25 @@ Layers of checking:
 * the Triton kernels (the interpreter on CPU, since conftest sets
   TRITON_INTERPRET=1; compiled on CUDA) are checked against the references on
   fresh random inputs, with every output element poisoned before the call;
-* the eager baseline is checked against the reference;
+* the eager baseline (``benchmarks/eager_baseline.py``) is checked against the reference;
 * dispatch tests prove the interpreted kernel really ran.
 """
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 
 import tensorrt_llm_draftkv.kernels as K
 from tensorrt_llm_draftkv.kernels import spec_tail_kernels as api
+
+try:  # benchmarks/ sits beside the package: on sys.path under `python -m pytest`, not under plain `pytest`
+    from benchmarks.eager_baseline import eager_prepare_paged_latent
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.eager_baseline import eager_prepare_paged_latent
 
 try:
     from hypothesis import given, settings
@@ -517,9 +524,9 @@ if HAVE_HYPOTHESIS:
         else:
             inputs, kw = make_prepare_inputs(gen, B, M, P=P, num_slots=S, max_new=max_new, block_size=block_size)
         want = K.prepare_paged_latent_reference(*inputs, **kw)
-        assert_prep_equal(K.eager_prepare_paged_latent(*inputs, **kw), want)
+        assert_prep_equal(eager_prepare_paged_latent(*inputs, **kw), want)
         out = poisoned_prep(B, M, block_size, max_new)
-        assert K.eager_prepare_paged_latent(*inputs, **kw, out=out) is out
+        assert eager_prepare_paged_latent(*inputs, **kw, out=out) is out
         assert_prep_equal(out, want)
 
 
@@ -529,7 +536,7 @@ def test_eager_baseline_matches_reference(seed):
     B, M = [(1, 1), (16, 130), (64, 300), (5, 7)][seed]
     inputs, kw = make_prepare_inputs(gen, B, M, P=[1, 32, 4, 3][seed], num_slots=4, max_new=8, block_size=8)
     want = K.prepare_paged_latent_reference(*inputs, **kw)
-    assert_prep_equal(K.eager_prepare_paged_latent(*inputs, **kw), want)
+    assert_prep_equal(eager_prepare_paged_latent(*inputs, **kw), want)
 
 
 def test_prepare_without_out_allocates():
@@ -664,7 +671,7 @@ def test_prepare_and_rebase_cuda_match_reference():
             rb = K.rebase_block_table(tables, extents, base[slot_ids], out=poisoned_rebased(B, M, "cuda"), block=blk)
             assert_same(rb.rows, want.read_rows, "rebase rows")
             assert_same(rb.extents, extents.clamp(0, M) - want.shift, "rebase extents")
-            assert_same(K.eager_prepare_paged_latent(*inputs, **kw).read_rows, want.read_rows, "eager")
+            assert_same(eager_prepare_paged_latent(*inputs, **kw).read_rows, want.read_rows, "eager")
     # the small edge generator too
     for case in PREP_CASES:
         B, M, P, S, max_new, bs, tdt, vdt, blk, strided = case

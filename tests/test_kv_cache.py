@@ -112,36 +112,36 @@ def test_either_argument_may_be_none():
 def test_history_never_decreases():
     cache, groups = make_cache([(6, 0, 20), (None, 0, 20)])
     cache.resize(16, 10)
-    before, pools = cache.snapshot(), pools_state(groups)
+    before, pools = cache.checkpoint(), pools_state(groups)
     with pytest.raises(ValueError, match=r"is 10, asked 9"):
         cache.resize(16, 9)
     with pytest.raises(ValueError, match=r"is 10, asked 0"):
         cache.resize(None, 0)
-    assert cache.snapshot() == before and pools_state(groups) == pools
+    assert cache.checkpoint() == before and pools_state(groups) == pools
     assert cache.resize(16, 10)  # equal is fine
-    assert cache.snapshot() == before
+    assert cache.checkpoint() == before
 
 
 def test_capacity_below_history_rejected():
     cache, groups = make_cache([(6, 0, 20), (None, 0, 20)])
     cache.resize(12, 4)
-    before, pools = cache.snapshot(), pools_state(groups)
+    before, pools = cache.checkpoint(), pools_state(groups)
     with pytest.raises(ValueError, match=r"capacity 7 is below history length 8"):
         cache.resize(7, 8)
     with pytest.raises(ValueError, match=r"capacity 12 is below history length 13"):
         cache.resize(None, 13)  # capacity None = current 12
     with pytest.raises(ValueError, match=r"capacity 3 is below history length 4"):
         cache.resize(3)  # history None = current 4
-    assert cache.snapshot() == before and pools_state(groups) == pools
+    assert cache.checkpoint() == before and pools_state(groups) == pools
     assert cache.resize(4, 4)  # capacity == history is allowed
 
 
 def test_negative_capacity_rejected():
     cache, groups = make_cache([(None, 0, 4)])
-    before, pools = cache.snapshot(), pools_state(groups)
+    before, pools = cache.checkpoint(), pools_state(groups)
     with pytest.raises(ValueError, match=r"got -1\b"):
         cache.resize(-1)
-    assert cache.snapshot() == before and pools_state(groups) == pools
+    assert cache.checkpoint() == before and pools_state(groups) == pools
 
 
 def test_raising_history_releases_stale_pages_to_the_pool():
@@ -224,15 +224,15 @@ def test_out_of_pages_returns_false_and_changes_nothing():
     assert cache.resize(16, 3)  # 4 pages in each group
     other = KVCache(groups, P, name="other")
     assert other.resize(8)  # 2 more in each group
-    before, pools, other_before = cache.snapshot(), pools_state(groups), other.snapshot()
+    before, pools, other_before = cache.checkpoint(), pools_state(groups), other.checkpoint()
     # the full group would need 9 pages: it holds 4 and 2 are free
     assert cache.resize(36) is False
-    assert cache.snapshot() == before
+    assert cache.checkpoint() == before
     assert pools_state(groups) == pools
-    assert other.snapshot() == other_before
+    assert other.checkpoint() == other_before
     # raising history together with an impossible growth: nothing is released either
     assert cache.resize(40, 20) is False
-    assert cache.snapshot() == before and pools_state(groups) == pools
+    assert cache.checkpoint() == before and pools_state(groups) == pools
     for g in groups:
         g.pool.check_accounting()
 
@@ -242,16 +242,16 @@ def test_multi_group_all_or_nothing():
     specs = [(None, 0, 100), (8, 0, 100), (None, 0, 3)]
     cache, groups = make_cache(specs)
     assert cache.resize(12)
-    before, pools = cache.snapshot(), pools_state(groups)
+    before, pools = cache.checkpoint(), pools_state(groups)
     assert cache.resize(16) is False  # group 2 would need a 4th page
-    assert cache.snapshot() == before and pools_state(groups) == pools
+    assert cache.checkpoint() == before and pools_state(groups) == pools
     # the windowed group short, the full ones with room
     specs = [(None, 0, 100), (4, 0, 2)]
     cache, groups = make_cache(specs)
     assert cache.resize(8)
-    before, pools = cache.snapshot(), pools_state(groups)
+    before, pools = cache.checkpoint(), pools_state(groups)
     assert cache.resize(12) is False  # windowed needs 3 blocks (history 0)
-    assert cache.snapshot() == before and pools_state(groups) == pools
+    assert cache.checkpoint() == before and pools_state(groups) == pools
     assert cache.resize(12, 7)  # with history 7 block 0 is stale: fits in 2 pages
     check_rows(cache, specs)
 
@@ -285,7 +285,7 @@ def test_commit_rules():
     with pytest.raises(ValueError, match=r"\[10, 15\], got 16"):
         cache.commit(16)
     cache.commit(15)
-    assert cache.snapshot()[:3] == (20, 15, 15)
+    assert cache.checkpoint()[:3] == (20, 15, 15)
 
 
 def test_free_returns_everything_and_double_free_raises():
@@ -298,7 +298,7 @@ def test_free_returns_everything_and_double_free_raises():
     assert [g.pool.num_free for g in groups] == [10, 10]
     assert [g.pool.num_held for g in groups] == [0, 0]
     assert cache.closed
-    assert cache.snapshot() == (0, 0, 0, ((), ()))
+    assert cache.checkpoint() == (0, 0, 0, ((), ()), (0, 0))
     pools = pools_state(groups)
     with pytest.raises(ValueError, match="already freed"):
         cache.free()
@@ -353,9 +353,9 @@ def test_groups_sharing_one_pool_are_all_or_nothing():
     specs = [(None, 0, 4), (1, 0, 4)]
     groups = [LayerGroup(LifeCycle(None), pool), LayerGroup(LifeCycle(1), pool)]
     cache = KVCache(groups, P)
-    before, free = cache.snapshot(), list(pool._free)
+    before, free = cache.checkpoint(), list(pool._free)
     assert cache.resize(12) is False  # 3 + 3 pages from a pool of 4
-    assert cache.snapshot() == before and list(pool._free) == free
+    assert cache.checkpoint() == before and list(pool._free) == free
     assert cache.resize(8)  # 2 + 2: the pool is empty now
     assert pool.num_free == 0
     # W=1, h=11: the windowed group gives back blocks 0 and 1 and needs block 2;
@@ -365,9 +365,9 @@ def test_groups_sharing_one_pool_are_all_or_nothing():
     assert pool.num_free == 0 and cache.num_held_pages(0) == 3 and cache.num_held_pages(1) == 1
     held = cache.held_pages(0) + cache.held_pages(1)
     assert sorted(held) == [0, 1, 2, 3]
-    before, free = cache.snapshot(), list(pool._free)
+    before, free = cache.checkpoint(), list(pool._free)
     assert cache.resize(16, 12) is False  # full +1, windowed +1 -1 (block 2 -> 3): one short
-    assert cache.snapshot() == before and list(pool._free) == free
+    assert cache.checkpoint() == before and list(pool._free) == free
     pool.check_accounting()
 
 
@@ -379,17 +379,17 @@ def test_can_resize_predicts_resize_and_changes_nothing(seed):
     for _ in range(80):
         cap = cache.capacity + rnd.randint(-6, 12)
         hist = cache.history_length + rnd.randint(-1, 6)
-        before, pools = cache.snapshot(), pools_state(groups)
+        before, pools = cache.checkpoint(), pools_state(groups)
         try:
             predicted = cache.can_resize(cap, hist)
         except ValueError:
-            assert cache.snapshot() == before and pools_state(groups) == pools
+            assert cache.checkpoint() == before and pools_state(groups) == pools
             with pytest.raises(ValueError):
                 cache.resize(cap, hist)
             continue
-        assert cache.snapshot() == before and pools_state(groups) == pools
+        assert cache.checkpoint() == before and pools_state(groups) == pools
         assert cache.resize(cap, hist) is predicted
         if predicted:
             check_rows(cache, specs)
         else:
-            assert cache.snapshot() == before and pools_state(groups) == pools
+            assert cache.checkpoint() == before and pools_state(groups) == pools

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from tensorrt_llm_draftkv import BAD_PAGE_INDEX, KvCacheConfig, KVCacheManagerV2, LayerGroupConfig, LlmRequest, ScheduledRequests
+from tensorrt_llm_draftkv import BAD_PAGE_INDEX, KVPoolConfig, KVCacheManagerV2, LayerGroupConfig, LlmRequest, ScheduledRequests
 from tensorrt_llm_draftkv.manager import KVCacheResizeError
 
 P = 3
@@ -23,7 +23,7 @@ POOL_PAGES = (9, 14)
 
 
 def make_manager(guard_page=False) -> KVCacheManagerV2:
-    config = KvCacheConfig(
+    config = KVPoolConfig(
         layer_groups=(LayerGroupConfig(2, window=WINDOW, sink_blocks=SINKS), LayerGroupConfig(1, window=None)),
         pages_per_group=POOL_PAGES,
         tokens_per_block=P,
@@ -47,7 +47,7 @@ def brute_backed(capacity: int, history: int, window, sinks: int, p: int = P) ->
 
 
 def whole_state(mgr: KVCacheManagerV2):
-    caches = {rid: mgr.get_cache(rid).snapshot() for rid in mgr.request_ids()}
+    caches = {rid: mgr.get_cache(rid).checkpoint() for rid in mgr.request_ids()}
     pools = [(list(pool._free), frozenset(pool._held)) for pool in mgr.pools()]
     return caches, pools
 

@@ -28,7 +28,7 @@ from tensorrt_llm_draftkv import (
     BAD_PAGE_INDEX,
     DraftKVCacheManagerV2,
     KVCacheResizeError,
-    KvCacheConfig,
+    KVPoolConfig,
     LayerGroupConfig,
     LlmRequest,
     ScheduledRequests,
@@ -50,9 +50,9 @@ def _one_thread():
 P = 8  # tokens per block
 
 
-def _config(pages=(64, 40), guard_page: bool = False) -> KvCacheConfig:
+def _config(pages=(64, 40), guard_page: bool = False) -> KVPoolConfig:
     """Group 0: a 40-token window (releases low pages as history grows); group 1: full attention."""
-    return KvCacheConfig(
+    return KVPoolConfig(
         (LayerGroupConfig(1, window=40), LayerGroupConfig(1)),
         pages_per_group=pages,
         tokens_per_block=P,
@@ -208,11 +208,11 @@ def test_a_rolled_back_batch_leaves_the_map_equal_to_the_rows(monkeypatch):
             return _real(pages, owner=owner)
 
         monkeypatch.setattr(pool, "take", spy)
-    before = {rid: dm.get_cache(rid).snapshot() for rid in dm.request_ids()}
+    before = {rid: dm.get_cache(rid).checkpoint() for rid in dm.request_ids()}
     hog = LlmRequest(3, prompt_len=400)  # a fresh request the full-attention pool cannot hold
     with pytest.raises(KVCacheResizeError, match="request 3"):
         dm.prepare_resources(ScheduledRequests([*running, hog]))
-    assert {rid: dm.get_cache(rid).snapshot() for rid in dm.request_ids()} == before
+    assert {rid: dm.get_cache(rid).checkpoint() for rid in dm.request_ids()} == before
     # the running requests released window pages and took them back
     assert any(pages and owner in (1, 2) for pages, owner in taken)
     _clean(chk, dm)

@@ -16,7 +16,7 @@ from tensorrt_llm_draftkv import (
     DFlashSpecMetadata,
     DraftKVCacheManagerV2,
     KVCacheManagerV2,
-    KvCacheConfig,
+    KVPoolConfig,
     LayerGroupConfig,
     LlmRequest,
     LlmRequestState,
@@ -28,7 +28,7 @@ from tensorrt_llm_draftkv.sim import RunSpec
 from tensorrt_llm_draftkv.sim.disagg import admit_transfer, transfer_from, transfer_range
 from tensorrt_llm_draftkv.sim.prompts import phrase_prompt
 from tensorrt_llm_draftkv.sim.simulate import build_executor, run_one, target_only_outputs
-from tensorrt_llm_draftkv.manager.mirror_sizing import MirrorSizing
+from tensorrt_llm_draftkv.manager.rules import MirrorSizing
 from tensorrt_llm_draftkv.request import ContextView
 from tensorrt_llm_draftkv.runtime import BAD_PAGE_INDEX
 from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
@@ -43,7 +43,7 @@ def truth(n: int, seed: int = 0) -> list[int]:
 
 
 def full_state(mgr: KVCacheManagerV2):
-    caches = {rid: mgr.get_cache(rid).snapshot() for rid in mgr.request_ids()}
+    caches = {rid: mgr.get_cache(rid).checkpoint() for rid in mgr.request_ids()}
     return caches, [(sorted(p._free), sorted(p._held)) for p in mgr.pools()]
 
 
@@ -121,7 +121,7 @@ def test_the_trail_page_is_what_keeps_a_seeded_window_on_its_own_pages(trail_pag
 
 # ============================================================================ (2) missing mirror
 def _draft_mgr(windows=(64,), pages=64, mode=Mode.DFLASH, **kw) -> DraftKVCacheManagerV2:
-    cfg = KvCacheConfig(
+    cfg = KVPoolConfig(
         tuple(LayerGroupConfig(1, window=w) for w in windows),
         pages_per_group=(pages,) * len(windows),
         tokens_per_block=16,
@@ -327,5 +327,5 @@ def test_a_target_manager_sizes_the_same_whatever_drafter_runs(mode, sizing):
         mgr.prepare_disagg_gen_init(gen)
         gen.state = LlmRequestState.GENERATION_IN_PROGRESS
         mgr.update_resources(ScheduledRequests(generation_requests=[gen]))
-        mgr.add_dummy_requests([9], [70], max_num_draft_tokens=3, history_hint=69)
+        mgr.add_dummy_requests([9], [70], is_gen=True, max_num_draft_tokens=3, history_hint=69)
     assert full_state(plain) == full_state(flagged)

@@ -39,7 +39,7 @@ def everything(loop: DraftLoop):
     """Every structure a rejected call must leave bit-identical."""
     dm, meta, chk = loop.dm, loop.meta, loop.checker
     return (
-        {rid: dm.get_cache(rid).snapshot() for rid in dm.request_ids()},
+        {rid: dm.get_cache(rid).checkpoint() for rid in dm.request_ids()},
         [(list(p._free), sorted(p._held)) for p in dm.pools()],
         [layer.clone() for p in dm.pools() for layer in p.layers],
         meta.live_requests(),

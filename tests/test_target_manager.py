@@ -13,7 +13,7 @@ import torch
 
 from tensorrt_llm_draftkv import (
     BAD_PAGE_INDEX,
-    KvCacheConfig,
+    KVPoolConfig,
     KVCacheManagerV2,
     KVCacheResizeError,
     LayerGroupConfig,
@@ -26,7 +26,7 @@ from tensorrt_llm_draftkv.manager.budget import step_headroom
 
 
 def make_mgr(window=8, sinks=0, p=4, pages=(64, 64), draft=0, extra=0, guard=False, max_seq_len=256, kv_factor=2):
-    config = KvCacheConfig(
+    config = KVPoolConfig(
         layer_groups=(LayerGroupConfig(2, window=window, sink_blocks=sinks), LayerGroupConfig(1, window=None)),
         pages_per_group=pages,
         tokens_per_block=p,
@@ -61,7 +61,7 @@ def check_rows(mgr, rid):
 
 def state(mgr):
     return (
-        {rid: mgr.get_cache(rid).snapshot() for rid in mgr.request_ids()},
+        {rid: mgr.get_cache(rid).checkpoint() for rid in mgr.request_ids()},
         # free pages as a set: a rollback returns the same pages, not necessarily in the same order
         [(sorted(pool._free), frozenset(pool._held)) for pool in mgr.pools()],
     )
@@ -185,7 +185,7 @@ def test_update_resources_skips_unfinished_context_and_dummies():
     req = LlmRequest(1, prompt_len=20)
     req.target_view.chunk_size = 8
     mgr.prepare_resources(ctx_batch(req))
-    (dummy,) = mgr.add_dummy_requests([99], [5])
+    (dummy,) = mgr.add_dummy_requests([99], [5], is_gen=True)
     before = state(mgr)
     mgr.update_resources(ScheduledRequests(context_requests=[req], generation_requests=[dummy]))
     assert state(mgr) == before
@@ -269,7 +269,7 @@ def test_disagg_gen_init_out_of_pages_raises_and_leaves_nothing():
 def test_add_dummy_requests_history_hint_backs_only_the_window():
     window, p = 8, 4
     mgr = make_mgr(window=window, p=p, pages=(64, 128))
-    dummies = mgr.add_dummy_requests([100, 101], [200, 200], max_num_draft_tokens=3, history_hint=199)
+    dummies = mgr.add_dummy_requests([100, 101], [200, 200], is_gen=True, max_num_draft_tokens=3, history_hint=199)
     assert [d.py_request_id for d in dummies] == [100, 101]
     assert all(d.is_dummy and d.state == LlmRequestState.GENERATION_IN_PROGRESS for d in dummies)
     for rid in (100, 101):
@@ -279,10 +279,10 @@ def test_add_dummy_requests_history_hint_backs_only_the_window():
         assert cache.num_held_pages(0) == -(-203 // p) - (200 - window) // p
         assert cache.num_held_pages(1) == -(-203 // p)
     # without a hint: every block of the windowed group is backed
-    mgr.add_dummy_requests([102], [40])
+    mgr.add_dummy_requests([102], [40], is_gen=True)
     assert mgr.get_cache(102).num_held_pages(0) == 10
     # a hint past the dummy's own position (tokens - 1) is clamped there
-    mgr.add_dummy_requests([103], [10], history_hint=50)
+    mgr.add_dummy_requests([103], [10], is_gen=True, history_hint=50)
     assert (mgr.get_cache(103).capacity, mgr.get_cache(103).history_length) == (10, 9)
     check_rows(mgr, 103)
     ctx = mgr.add_dummy_requests([104], [3], is_gen=False)
@@ -475,7 +475,7 @@ def test_check_accounting_catches_a_page_held_twice():
 
 
 def test_manager_rejects_negative_draft_or_extra():
-    config = KvCacheConfig(layer_groups=(LayerGroupConfig(1),), pages_per_group=(4,), tokens_per_block=4)
+    config = KVPoolConfig(layer_groups=(LayerGroupConfig(1),), pages_per_group=(4,), tokens_per_block=4)
     with pytest.raises(ValueError, match=r"max_draft_len \(-1\)"):
         KVCacheManagerV2(config, max_draft_len=-1)
     with pytest.raises(ValueError, match=r"num_extra_kv_tokens \(-2\)"):

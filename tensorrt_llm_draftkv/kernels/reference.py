@@ -1,14 +1,10 @@
-"""Plain-torch references of the draft-KV block-table kernels, and the eager baseline.
+"""Plain-torch references of the draft-KV block-table kernels, and their result types.
 
-Every function here is the specification its Triton counterpart in ``api.py``
-is tested against. They take and return the same tensors (see ``api.py`` for
-the full shape/dtype contract) and work on any device.
-
-``eager_prepare_paged_latent`` is different on purpose: it is an
-"upstream-style" eager implementation of the generation-step preparation, a
-chain of many small torch ops with one host round trip (``.item()``) to size
-the gather, the way an eager drafter would write it. It gives identical results
-to :func:`prepare_paged_latent_reference`; it exists as the benchmark baseline.
+Every function here is the specification its Triton counterpart in
+``spec_tail_kernels.py`` is tested against. They take and return the same
+tensors (see ``spec_tail_kernels.py`` for the full shape/dtype contract and the
+coordinates: block ordinals, pages, extents, slot positions) and work on any
+device.
 """
 from __future__ import annotations
 
@@ -67,7 +63,7 @@ class PagedLatentPrep:
         max_blocks: int,
         block_size: int,
         max_new: int,
-        device="cpu",
+        device: str | torch.device = "cpu",
     ) -> "PagedLatentPrep":
         """Allocate (uninitialised) outputs, e.g. once before a CUDA-graph capture."""
         i32, i64 = torch.int32, torch.int64
@@ -82,7 +78,7 @@ class PagedLatentPrep:
             shift=torch.empty((B,), dtype=i64, device=device),
         )
 
-    def tensors(self) -> dict:
+    def tensors(self) -> dict[str, torch.Tensor]:
         """Field name -> tensor, in declaration order."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
@@ -123,7 +119,9 @@ def decode_draft_block_table_reference(
     return BlockTables(tables, extents)
 
 
-def _rebase(tables: torch.Tensor, extents: torch.Tensor, base_pages: torch.Tensor):
+def _rebase(
+    tables: torch.Tensor, extents: torch.Tensor, base_pages: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Shared by the rebase and prepare references: (rows, new_extents, shift)."""
     B, M = tables.shape
     dev = tables.device
@@ -199,103 +197,6 @@ def prepare_paged_latent_reference(
         store_pages=store_pages,
         store_offsets=store_offsets,
         new_ctx_len=new_ctx,
-        shift=shift,
-    )
-    if out is not None:
-        return out.copy_(res)
-    return res
-
-
-# --------------------------------------------------------------------------- eager baseline
-
-
-def eager_prepare_paged_latent(
-    tables: torch.Tensor,
-    extents: torch.Tensor,
-    slot_ids: torch.Tensor,
-    slot_ctx_len: torch.Tensor,
-    slot_base_pages: torch.Tensor,
-    num_new: torch.Tensor,
-    *,
-    block_size: int,
-    tokens_per_block: int,
-    max_ctx: int,
-    max_new: int,
-    out: Optional[PagedLatentPrep] = None,
-) -> PagedLatentPrep:
-    """Upstream-style eager preparation: many small ops and a host round trip.
-
-    Same inputs, outputs and results as :func:`prepare_paged_latent_reference`;
-    written the way an eager drafter step is (per-slot gathers, separate
-    clamps, an ``.item()`` to size the read gather to the widest rebased row,
-    then a padded copy into the full-width table). Benchmark baseline only.
-    """
-    B, M = tables.shape
-    dev = tables.device
-    P = tokens_per_block
-
-    # per-row slot state (gathers)
-    slot_ids_l = slot_ids.long()
-    ctx_len = torch.index_select(slot_ctx_len.long(), 0, slot_ids_l)
-    base_pages = torch.index_select(slot_base_pages.long(), 0, slot_ids_l)
-    n_new = num_new.long()
-
-    # context length after storing the accepted tokens, clamped at the maximum
-    new_ctx_len = ctx_len + n_new
-    new_ctx_len = torch.clamp(new_ctx_len, max=max_ctx)
-
-    # extent of each row and how far the base shifts it
-    extent = extents.long()
-    extent = torch.clamp(extent, min=0)
-    extent = torch.clamp(extent, max=M)
-    shift = torch.minimum(base_pages, extent)
-    shift = torch.clamp(shift, min=0)
-    rebased_extent = extent - shift
-
-    # host round trip: size the gather to the widest rebased row
-    widest = int(rebased_extent.max().item()) if B > 0 else 0
-    read_rows = torch.full((B, M), BAD_PAGE, dtype=torch.int32, device=dev)
-    if widest > 0:
-        cols = torch.arange(widest, device=dev)
-        src = cols.unsqueeze(0) + shift.unsqueeze(1)
-        inside = cols.unsqueeze(0) < rebased_extent.unsqueeze(1)
-        src = torch.where(inside, src, torch.zeros_like(src))
-        gathered = torch.gather(tables, 1, src)
-        gathered = gathered.masked_fill(~inside, BAD_PAGE)
-        read_rows[:, :widest] = gathered
-
-    # read length in rebased coordinates
-    read_lens = new_ctx_len - base_pages * P
-    read_lens = torch.clamp(read_lens, min=0)
-    read_lens = torch.minimum(read_lens, rebased_extent * P)
-
-    # block decode query positions: bonus token + mask tokens
-    query_pos = new_ctx_len.unsqueeze(1) + torch.arange(block_size, device=dev).unsqueeze(0)
-
-    # store targets of the accepted tokens (unrebased ordinals)
-    steps = torch.arange(max_new, device=dev).unsqueeze(0)
-    positions = ctx_len.unsqueeze(1) + steps
-    valid = steps < n_new.unsqueeze(1)
-    valid = valid & (positions < max_ctx)
-    valid = valid & (positions >= 0)
-    ordinals = torch.div(positions, P, rounding_mode="floor")
-    in_table = valid & (ordinals < M)
-    safe = torch.where(in_table, ordinals, torch.zeros_like(ordinals))
-    if M > 0:
-        pages = torch.gather(tables, 1, safe)
-    else:
-        pages = torch.zeros_like(safe, dtype=torch.int32)
-    store_pages = pages.masked_fill(~in_table, BAD_PAGE).to(torch.int32)
-    offsets = torch.remainder(positions, P)
-    store_offsets = offsets.masked_fill(~valid, BAD_PAGE).to(torch.int32)
-
-    res = PagedLatentPrep(
-        read_rows=read_rows,
-        read_lens=read_lens,
-        query_pos=query_pos,
-        store_pages=store_pages,
-        store_offsets=store_offsets,
-        new_ctx_len=new_ctx_len,
         shift=shift,
     )
     if out is not None:

@@ -35,16 +35,16 @@ from __future__ import annotations
 
 import collections
 import os
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
+from ._checks import check_decode, check_impl, check_prepare, check_rebase, next_pow2, num_warps, pick_block, vec
 from .reference import (
     BlockTables,
     PagedLatentPrep,
     RebasedTables,
     decode_draft_block_table_reference,
-    eager_prepare_paged_latent,
     prepare_paged_latent_reference,
     rebase_block_table_reference,
 )
@@ -60,41 +60,10 @@ except Exception:  # pragma: no cover - depends on the environment
 #: Number of Triton launches per kernel name since import (host-side counter).
 LAUNCH_COUNTS: "collections.Counter[str]" = collections.Counter()
 
-_MAX_BLOCK = 4096
-_MIN_SPLIT_BLOCK = 512
-_TARGET_PROGRAMS = 512
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
-def _pick_block(rows: int, M: int, block: Optional[int], interpreted: bool) -> int:
-    """Ordinals per program. Big blocks; split long rows when the grid is small."""
-    if block is not None:
-        if block < 1 or block & (block - 1):
-            raise ValueError(f"block must be a power of two >= 1, got {block}")
-        return block
-    b = min(max(_next_pow2(M), 16), _MAX_BLOCK)
-    if not interpreted:
-        # keep enough programs in flight for small batches of long rows
-        while b > _MIN_SPLIT_BLOCK and rows * -(-M // b) < _TARGET_PROGRAMS:
-            b //= 2
-    return b
-
-
-def _num_warps(block: int) -> int:
-    return max(1, min(8, block // 256))
-
-
-def _check_impl(impl: Optional[str]) -> None:
-    if impl not in (None, "triton", "reference"):
-        raise ValueError(f"impl must be None, 'triton' or 'reference', got {impl!r}")
-
 
 def _use_triton(impl: Optional[str], device: torch.device) -> bool:
     """Decide the implementation (see module docstring)."""
-    _check_impl(impl)
+    check_impl(impl)
     if impl == "reference":
         return False
     if impl == "triton":
@@ -112,7 +81,7 @@ def _use_triton(impl: Optional[str], device: torch.device) -> bool:
     return False
 
 
-def _launch(name: str, device: torch.device, grid, args: Sequence, **meta) -> None:
+def _launch(name: str, device: torch.device, grid: tuple[int, int], args: Sequence, **meta: Any) -> None:
     interpreted = device.type != "cuda"
     kern = _tk.get_kernel(name, interpreted)
     LAUNCH_COUNTS[name] += 1
@@ -123,58 +92,6 @@ def _launch(name: str, device: torch.device, grid, args: Sequence, **meta) -> No
     else:
         with torch.cuda.device(device):
             kern[grid](*args, **meta)
-
-
-_INT_DTYPES = (torch.int32, torch.int64)
-
-
-def _same_device(*tensors: torch.Tensor) -> torch.device:
-    dev = tensors[0].device
-    for t in tensors[1:]:
-        if t.device != dev:
-            raise ValueError(f"all tensors must be on one device, got {dev} and {t.device}")
-    return dev
-
-
-def _check_int(name: str, t: torch.Tensor, ndim: int, shape=None) -> None:
-    # fast path first: this runs on every call of a step that may be latency-bound
-    if (
-        isinstance(t, torch.Tensor)
-        and t.dtype in _INT_DTYPES
-        and t.dim() == ndim
-        and (shape is None or t.shape == shape)
-    ):
-        return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor")
-    if t.dtype not in _INT_DTYPES:
-        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-
-
-def _check_out(name: str, t: torch.Tensor, shape, dtype, device) -> None:
-    if (
-        isinstance(t, torch.Tensor)
-        and t.dtype is dtype
-        and t.shape == shape
-        and t.device == device
-        and t.is_contiguous()
-    ):
-        return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"out.{name} must be a torch.Tensor")
-    if not t.is_contiguous():
-        raise ValueError(f"out.{name} must be contiguous")
-    raise ValueError(
-        f"out.{name} must be {dtype} {tuple(shape)} on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
-    )
-
-
-def _vec(t: torch.Tensor) -> torch.Tensor:
-    # 1-D inputs are read with unit stride; a non-contiguous one is copied.
-    return t if t.is_contiguous() else t.contiguous()
 
 
 # --------------------------------------------------------------------------- decode
@@ -212,24 +129,8 @@ def decode_draft_block_table(
         ``1 + max{i : offsets[pool_idx, b, 0, i] >= 0}`` (0 for an empty row),
         or ``M`` for every row with backend ``"cpp"``.
     """
-    _check_int("block_offsets", block_offsets, 4)
-    num_pools, B, two, M = block_offsets.shape
-    if two != 2:
-        raise ValueError(f"block_offsets must be [num_pools, B, 2, M], got {tuple(block_offsets.shape)}")
-    if not 0 <= pool_idx < num_pools:
-        raise IndexError(f"pool_idx {pool_idx} out of range for {num_pools} pools")
-    if not 0 <= num_seqs <= B:
-        raise ValueError(f"num_seqs {num_seqs} out of range for {B} rows")
-    divisor = int(divisor)
-    if divisor < 1:
-        raise ValueError(f"divisor must be >= 1, got {divisor}")
-    if backend not in ("cpp", "python"):
-        raise ValueError(f"backend must be 'cpp' or 'python', got {backend!r}")
+    M, divisor = check_decode(block_offsets, pool_idx, num_seqs, divisor, backend, out)
     dev = block_offsets.device
-    if out is not None:
-        _check_out("tables", out.tables, (num_seqs, M), torch.int32, dev)
-        _check_out("extents", out.extents, (num_seqs,), torch.int64, dev)
-
     if not _use_triton(impl, dev):
         return decode_draft_block_table_reference(block_offsets, pool_idx, num_seqs, divisor, backend, out)
 
@@ -241,7 +142,7 @@ def decode_draft_block_table(
     if num_seqs == 0:
         return BlockTables(out.tables, out.extents)
     interpreted = dev.type != "cuda"
-    blk = _pick_block(num_seqs, M, block, interpreted)
+    blk = pick_block(num_seqs, M, block, interpreted)
     k = block_offsets[pool_idx, :num_seqs, 0]  # strided view, no copy
     grid = (num_seqs, max(1, -(-M // blk)))
     _launch(
@@ -251,7 +152,7 @@ def decode_draft_block_table(
         (k, out.tables, out.extents, M, divisor, k.stride(0), k.stride(1), out.tables.stride(0), 1),
         FULL_ROWS=backend == "cpp",
         BLOCK=blk,
-        num_warps=_num_warps(blk),
+        num_warps=num_warps(blk),
     )
     return BlockTables(out.tables, out.extents)
 
@@ -284,19 +185,10 @@ def rebase_block_table(
         inside keep their value, -1 included), else -1 (int32 ``[B, M]``), and
         new ``extents[b] - shift[b]`` (int64 ``[B]``).
     """
-    _check_int("tables", tables, 2)
+    dev = check_rebase(tables, extents, base_pages, out)
     B, M = tables.shape
-    _check_int("extents", extents, 1, (B,))
-    _check_int("base_pages", base_pages, 1, (B,))
-    dev = _same_device(tables, extents, base_pages)
-    if out is not None:
-        _check_out("rows", out.rows, (B, M), torch.int32, dev)
-        _check_out("extents", out.extents, (B,), torch.int64, dev)
-        _check_out("shift", out.shift, (B,), torch.int64, dev)
-
     if not _use_triton(impl, dev):
         return rebase_block_table_reference(tables, extents, base_pages, out)
-
     if out is None:
         out = RebasedTables(
             torch.empty((B, M), dtype=torch.int32, device=dev),
@@ -306,7 +198,7 @@ def rebase_block_table(
     if B == 0:
         return RebasedTables(out.rows, out.extents, out.shift)
     interpreted = dev.type != "cuda"
-    blk = _pick_block(B, M, block, interpreted)
+    blk = pick_block(B, M, block, interpreted)
     grid = (B, max(1, -(-M // blk)))
     _launch(
         "rebase_block_table",
@@ -314,8 +206,8 @@ def rebase_block_table(
         grid,
         (
             tables,
-            _vec(extents),
-            _vec(base_pages),
+            vec(extents),
+            vec(base_pages),
             out.rows,
             out.extents,
             out.shift,
@@ -325,7 +217,7 @@ def rebase_block_table(
             out.rows.stride(0),
         ),
         BLOCK=blk,
-        num_warps=_num_warps(blk),
+        num_warps=num_warps(blk),
     )
     return RebasedTables(out.rows, out.extents, out.shift)
 
@@ -380,46 +272,36 @@ def prepare_paged_latent(
     No host synchronisation, no data-dependent shape: capturable in a CUDA graph
     when ``out`` is preallocated.
     """
-    _check_int("tables", tables, 2)
-    B, M = tables.shape
-    _check_int("extents", extents, 1, (B,))
-    _check_int("slot_ids", slot_ids, 1, (B,))
-    _check_int("slot_ctx_len", slot_ctx_len, 1)
-    _check_int("slot_base_pages", slot_base_pages, 1, slot_ctx_len.shape)
-    _check_int("num_new", num_new, 1, (B,))
-    dev = _same_device(tables, extents, slot_ids, slot_ctx_len, slot_base_pages, num_new)
-    block_size, tokens_per_block, max_ctx, max_new = (
-        int(block_size),
-        int(tokens_per_block),
-        int(max_ctx),
-        int(max_new),
+    tensors = (tables, extents, slot_ids, slot_ctx_len, slot_base_pages, num_new)
+    dev, kw = check_prepare(
+        tensors, block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new, out=out
     )
-    if tokens_per_block < 1:
-        raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
-    if block_size < 0 or max_new < 0 or max_ctx < 0:
-        raise ValueError("block_size, max_new and max_ctx must be >= 0")
-    if out is not None:
-        i32, i64 = torch.int32, torch.int64
-        _check_out("read_rows", out.read_rows, (B, M), i32, dev)
-        _check_out("read_lens", out.read_lens, (B,), i64, dev)
-        _check_out("query_pos", out.query_pos, (B, block_size), i64, dev)
-        _check_out("store_pages", out.store_pages, (B, max_new), i32, dev)
-        _check_out("store_offsets", out.store_offsets, (B, max_new), i32, dev)
-        _check_out("new_ctx_len", out.new_ctx_len, (B,), i64, dev)
-        _check_out("shift", out.shift, (B,), i64, dev)
-
-    kw = dict(block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new)
     if not _use_triton(impl, dev):
-        return prepare_paged_latent_reference(
-            tables, extents, slot_ids, slot_ctx_len, slot_base_pages, num_new, out=out, **kw
-        )
-
+        return prepare_paged_latent_reference(*tensors, out=out, **kw)
+    B, M = tables.shape
     if out is None:
-        out = PagedLatentPrep.empty(B, M, block_size, max_new, device=dev)
+        out = PagedLatentPrep.empty(B, M, kw["block_size"], kw["max_new"], device=dev)
     if B == 0:
         return out
-    interpreted = dev.type != "cuda"
-    blk = _pick_block(B, M, block, interpreted)
+    _launch_prepare(tensors, out, block, **kw)
+    return out
+
+
+def _launch_prepare(
+    tensors: tuple[torch.Tensor, ...],
+    out: PagedLatentPrep,
+    block: Optional[int],
+    *,
+    block_size: int,
+    tokens_per_block: int,
+    max_ctx: int,
+    max_new: int,
+) -> None:
+    """The one ``prepare_paged_latent`` launch (checked arguments, ``B > 0``)."""
+    tables, *vectors = tensors
+    B, M = tables.shape
+    dev = tables.device
+    blk = pick_block(B, M, block, dev.type != "cuda")
     grid = (B, max(1, -(-M // blk)))
     _launch(
         "prepare_paged_latent",
@@ -427,11 +309,7 @@ def prepare_paged_latent(
         grid,
         (
             tables,
-            _vec(extents),
-            _vec(slot_ids),
-            _vec(slot_ctx_len),
-            _vec(slot_base_pages),
-            _vec(num_new),
+            *(vec(t) for t in vectors),
             out.read_rows,
             out.read_lens,
             out.query_pos,
@@ -449,11 +327,10 @@ def prepare_paged_latent(
         ),
         P=tokens_per_block,
         BLOCK=blk,
-        QBLOCK=_next_pow2(max(block_size, 1)),
-        NBLOCK=_next_pow2(max(max_new, 1)),
-        num_warps=_num_warps(blk),
+        QBLOCK=next_pow2(max(block_size, 1)),
+        NBLOCK=next_pow2(max(max_new, 1)),
+        num_warps=num_warps(blk),
     )
-    return out
 
 
 __all__ = [
@@ -464,7 +341,6 @@ __all__ = [
     "RebasedTables",
     "decode_draft_block_table",
     "decode_draft_block_table_reference",
-    "eager_prepare_paged_latent",
     "prepare_paged_latent",
     "prepare_paged_latent_reference",
     "rebase_block_table",

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from ..config import LayerGroupConfig
 from ..runtime.life_cycle import LifeCycle
-from . import mirror_sizing as rules
+from . import rules
 from .budget import group_pages_per_request, windowed_pages_per_request
 
 
@@ -142,9 +142,9 @@ def prompt_phase_sizes(
     d, e = max_draft_len, num_extra_kv_tokens
     if disagg_generation_init:
         if policy is None:
-            return [(prompt_len + 1 + d + e, prompt_len)]
+            return [(prompt_len + rules.generation_headroom(d, e), prompt_len)]
         capacity, history = rules.disagg_gen_init_sizing(
-            policy, prompt_len=prompt_len, generation_headroom=1 + d + e, draft_tokens=d, extra_tokens=e
+            policy, prompt_len=prompt_len, generation_headroom=rules.generation_headroom(d, e), draft_tokens=d, extra_tokens=e
         )
         return [(capacity, 0 if history is None else history)]
     sizes: list[tuple[int, int]] = []
@@ -267,7 +267,7 @@ def mirror_peak_pages(
                 tokens_per_block,
                 prompt_len=prompt_len,
                 history=sizes[-1][1],
-                generation_headroom=1 + max_draft_len + num_extra_kv_tokens,
+                generation_headroom=rules.generation_headroom(max_draft_len, num_extra_kv_tokens),
                 max_new_tokens=max_new_tokens,
             )
             peak = max(peak, generation)
@@ -291,7 +291,7 @@ def _why(
 ) -> str:
     if not prompt_phase_over:
         return (
-            f"its generation steps (up to {max_new_tokens} new tokens, {1 + max_draft_len + num_extra_kv_tokens} "
+            f"its generation steps (up to {max_new_tokens} new tokens, {rules.generation_headroom(max_draft_len, num_extra_kv_tokens)} "
             "token slots of headroom above history) pass what the charge allows (its cap at the full-attention "
             "count for max_seq_len leaves out the step headroom)"
         )

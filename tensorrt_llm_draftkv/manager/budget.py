@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import LayerGroupConfig
+from . import rules
+from .rules import step_headroom  # noqa: F401  (re-exported: the estimators' callers use it from here)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -24,20 +26,6 @@ def _check_positive(**values: int) -> None:
     for name, value in values.items():
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-
-
-def step_headroom(chunk: int, max_draft_len: int = 0, num_extra_kv_tokens: int = 0) -> int:
-    """The most tokens any step puts above history under KVCacheManagerV2's sizing.
-
-    A context chunk puts the chunk and the extra tokens (plus drafts on the last chunk) above
-    its start; a generation step puts `1 + drafts + extra` above history.
-    """
-    if chunk < 0 or max_draft_len < 0 or num_extra_kv_tokens < 0:
-        raise ValueError(
-            f"chunk ({chunk}), max_draft_len ({max_draft_len}) and num_extra_kv_tokens "
-            f"({num_extra_kv_tokens}) must be >= 0"
-        )
-    return max(chunk + max_draft_len + num_extra_kv_tokens, 1 + max_draft_len + num_extra_kv_tokens)
 
 
 def windowed_pages_per_request(window: int, tokens_per_block: int, headroom: int, alignment: int = 1) -> int:
@@ -83,11 +71,11 @@ def group_pages_per_request(
     if window is None:
         return full
     w = window + trail_tokens
-    context_headroom = chunk + max_draft_len + num_extra_kv_tokens
-    generation_headroom = 1 + max_draft_len + num_extra_kv_tokens
+    context = rules.context_headroom(chunk, True, max_draft_len, num_extra_kv_tokens)
+    generation = rules.generation_headroom(max_draft_len, num_extra_kv_tokens)
     peak = max(
-        windowed_pages_per_request(w, tokens_per_block, context_headroom, chunk if chunk_alignment else 1),
-        windowed_pages_per_request(w, tokens_per_block, generation_headroom, 1),
+        windowed_pages_per_request(w, tokens_per_block, context, chunk if chunk_alignment else 1),
+        windowed_pages_per_request(w, tokens_per_block, generation, 1),
     )
     return min(full, peak + sink_blocks)
 
@@ -127,17 +115,6 @@ def max_tokens_to_quota(max_tokens: int, page_bytes: int, tokens_per_block: int)
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
     _check_positive(tokens_per_block=tokens_per_block)
     return _ceil_div(max_tokens, tokens_per_block) * page_bytes
-
-
-@dataclass(frozen=True)
-class GroupPlan:
-    """What one layer group of a pool costs per request, and what its pool allows."""
-
-    window: int | None
-    pages_per_request: int
-    bytes_per_request: int
-    pool_pages: int
-    max_concurrency: int
 
 
 def max_concurrency(pool_pages: int, pages_per_request: int) -> int:

@@ -1,34 +1,38 @@
 """DraftKVCacheManagerV2: the separate draft pool and its per-request mirrors.
 
-The target manager sizes a request's cache from the request; this subclass
-sizes the request's *mirror* in the draft pool, choosing the view and the
-history through the pure rules in `mirror_sizing`. Coordinates: absolute
-token positions, like the target cache.
+The same manager as the target's, built with a mirror policy: every cache is
+sized by `rules.StepSizing` with the `history` (fix) or `legacy` rules, and
+every window keeps the trail page of a DFlash/DSpark pool below it. What this
+class adds is the policy itself, upstream's `request_context(True, batch)`
+around its sizing calls, and admission against the estimator's charge.
+Coordinates: absolute token positions, like the target cache.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
-from ..config import KvCacheConfig, SpeculativeDecodingMode
-from ..request import ContextView, LlmRequest
-from ..runtime import KVCache
-from . import admission
-from . import mirror_sizing as rules
-from .diagnostics import KVCacheResizeError
+from ..config import KVPoolConfig, SpeculativeDecodingMode
+from ..request import LlmRequest, ScheduledRequests, request_context
+from . import admission, rules
 from .kv_cache_manager import KVCacheManagerV2
 
 
 class DraftKVCacheManagerV2(KVCacheManagerV2):
-    """Draft mirrors for one speculative mode, sized by the `history` or `legacy` rules."""
+    """Draft mirrors for one speculative mode, sized by the `history` or `legacy` rules.
+
+    `is_draft=False` makes it a target-side manager: it then sizes exactly as
+    `KVCacheManagerV2`, whatever drafter runs.
+    """
 
     error_label = "Draft KV cache"
     missing_label = "draft KV cache"
 
     def __init__(
         self,
-        config: KvCacheConfig,
+        config: KVPoolConfig,
         *,
-        spec_mode: SpeculativeDecodingMode,
+        spec_mode: SpeculativeDecodingMode | str,
         max_draft_len: int = 0,
         num_extra_kv_tokens: int = 0,
         joint_kv_cache_reuse: bool = False,
@@ -37,13 +41,22 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
         is_draft: bool = True,
     ) -> None:
         self.is_draft = is_draft
-        self.spec_mode = spec_mode
-        self.policy = rules.MirrorPolicy(spec_mode, rules.MirrorSizing.parse(sizing), joint_kv_cache_reuse)
-        self._trail_page = trail_page
-        self.config = config  # the base class sets it too; the trail answer needs it first
-        super().__init__(config, max_draft_len=max_draft_len, num_extra_kv_tokens=num_extra_kv_tokens)
+        self.spec_mode = SpeculativeDecodingMode.parse(spec_mode)  # a mode or its name ("dflash")
+        self.policy = rules.MirrorPolicy(self.spec_mode, rules.MirrorSizing.parse(sizing), joint_kv_cache_reuse)
+        trail = rules.draft_slot_trail_tokens(
+            self.policy,
+            tokens_per_block=config.tokens_per_block,
+            any_windowed_group=any(g.window is not None for g in config.layer_groups),
+            trail_page=trail_page and is_draft,
+        )
+        super().__init__(
+            config,
+            max_draft_len=max_draft_len,
+            num_extra_kv_tokens=num_extra_kv_tokens,
+            mirror_policy=self.policy if is_draft else None,
+            trail_tokens=trail,
+        )
 
-    # -- policy answers ---------------------------------------------------------
     @property
     def sizing(self) -> rules.MirrorSizing:
         return self.policy.sizing
@@ -52,88 +65,37 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
     def joint_kv_cache_reuse(self) -> bool:
         return self.policy.joint_kv_cache_reuse
 
-    @property
-    def _mirror_uses_draft_view(self) -> bool:
-        """False only for the draft manager of an external drafter (it reads the target view)."""
-        return self.is_draft and rules.mirror_uses_draft_view(self.policy)
+    # -- upstream's request_context around the sizing calls -----------------------
+    def _draft_request_context(self, batch: ScheduledRequests):
+        """`request_context(True, batch)`, as upstream's `_prepare_draft_resources`; none for a target one."""
+        return request_context(True, batch) if self.is_draft else contextlib.nullcontext(batch)
 
-    @property
-    def draft_slot_trail_tokens(self) -> int:
-        """Tokens kept below every window of this pool for a trailing drafter slot (one page, or 0).
+    def prepare_resources(self, batch: ScheduledRequests) -> None:
+        with self._draft_request_context(batch):
+            super().prepare_resources(batch)
 
-        The one answer the drafter's seeding, the estimators and the planner read.
-        """
-        return rules.draft_slot_trail_tokens(
-            self.policy,
-            tokens_per_block=self.config.tokens_per_block,
-            any_windowed_group=any(g.window is not None for g in self.config.layer_groups),
-            trail_page=self._trail_page and self.is_draft,
-        )
+    def update_context_resources(self, batch: ScheduledRequests) -> None:
+        with self._draft_request_context(batch):
+            super().update_context_resources(batch)
 
-    @property
-    def _draft_slot_trail_tokens(self) -> int:
-        """Upstream's name for :attr:`draft_slot_trail_tokens`."""
-        return self.draft_slot_trail_tokens
+    prepare_resources.__doc__ = KVCacheManagerV2.prepare_resources.__doc__
+    update_context_resources.__doc__ = KVCacheManagerV2.update_context_resources.__doc__
 
-    def _window_widening_tokens(self) -> int:
-        return self.draft_slot_trail_tokens
-
-    def _mirror_view(self, req: LlmRequest) -> ContextView:
-        assert req.draft_view is not None
-        return req.draft_view if self._mirror_uses_draft_view else req.target_view
-
-    # -- sizing -------------------------------------------------------------------
-    def _context_sizing(self, req: LlmRequest, cache: KVCache) -> tuple[int, int | None]:
-        if not self.is_draft:  # a target manager sizes the same whatever drafter runs
-            return super()._context_sizing(req, cache)
-        view = self._mirror_view(req)
-        is_last = view.position + view.chunk_size >= req.prompt_len
-        capacity = rules.context_capacity(
-            view.position, view.chunk_size, is_last, self.max_draft_len, self.num_extra_kv_tokens
-        )
-        # Covers [0, start): it computed the earlier chunks, or joint reuse holds them.
-        covers = self.joint_kv_cache_reuse or (cache.capacity >= view.position and cache.num_blocks > 0)
-        history = rules.context_history(self.policy, start=view.position, mirror_covers_start=covers)
-        if history is not None:
-            history = max(history, cache.history_length)
-        return max(capacity, cache.history_length), history
-
-    @property
-    def _disagg_gen_init_phase(self) -> str:
-        """Legacy sizes a generation-init mirror as a whole-prompt context chunk, and says so."""
-        legacy_mirror = self.is_draft and self.sizing is rules.MirrorSizing.LEGACY
-        return "context" if legacy_mirror else "generation"
-
-    def _disagg_gen_init_sizing(self, req: LlmRequest, cache: KVCache) -> tuple[int, int | None]:
-        if not self.is_draft:
-            return super()._disagg_gen_init_sizing(req, cache)
-        return rules.disagg_gen_init_sizing(
-            self.policy,
-            prompt_len=req.prompt_len,
-            generation_headroom=self.generation_headroom,
-            draft_tokens=self.max_draft_len,
-            extra_tokens=self.num_extra_kv_tokens,
-        )
-
-    def _dummy_history(self, history_hint: int | None) -> int | None:
-        """The fix gives a warmup dummy's mirror the target's `history_hint`; legacy drops it."""
-        if not self.is_draft:
-            return super()._dummy_history(history_hint)
-        return rules.dummy_history(self.policy, history_hint)
-
-    # -- admission and errors -------------------------------------------------------
+    # -- admission -------------------------------------------------------------------
     def admit_mirror(self, req: LlmRequest) -> bool:
         """Could the mirror take this request's next step now? Changes nothing.
 
         For a scheduler that would rather defer a request than fail it.
         """
         cache = self._caches.get(req.py_request_id) or self._new_cache(req.py_request_id)
-        if req.is_disagg_generation_init_state:
-            capacity, history = self._disagg_gen_init_sizing(req, cache)
-        elif req.is_context_init_state:
-            capacity, history = self._context_sizing(req, cache)
-        else:
-            capacity, history = self._generation_sizing(req, cache)
+        sizing = self.sizing_rules
+        with self._draft_request_context(ScheduledRequests(context_requests=[req])):  # as prepare sizes it
+            if req.is_disagg_generation_init_state:
+                capacity, history = sizing.disagg_gen_init(req, cache)
+            elif req.is_context_init_state:
+                capacity, history = sizing.context(req, cache)
+            else:
+                capacity, history = sizing.generation(req, cache)
         return cache.can_resize(capacity, history)
 
     def pages_per_request_charge(
@@ -183,17 +145,3 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
             max_new_tokens=min(req.max_new_tokens, self.config.max_seq_len - req.prompt_len),
             label=self.error_label,
         )
-
-    def _mirror_resize_error(
-        self, req_id: int, phase: str, capacity: int, history: int | None
-    ) -> KVCacheResizeError:
-        """The one place draft resize errors (context and generation) are built.
-
-        `Draft KV cache <phase> resize failed for request N: could not resize to C
-        tokens (history H)`, then every live mirror's capacity, history and
-        logical blocks, the windows and the free pages per group.
-        """
-        return super()._resize_error(req_id, phase, capacity, history)
-
-    def _resize_error(self, req_id: int, phase: str, capacity: int, history: int | None) -> KVCacheResizeError:
-        return self._mirror_resize_error(req_id, phase, capacity, history)  # every draft error goes through it

@@ -8,12 +8,12 @@ from __future__ import annotations
 import contextlib
 from typing import Iterable
 
-import numpy as np
 import torch
 
-from ..config import KvCacheConfig
-from ..request import ContextView, LlmRequest, LlmRequestState, ScheduledRequests
-from ..runtime import BAD_PAGE_INDEX, KVCache, LayerGroup, LifeCycle, PagePool
+from ..config import KVPoolConfig
+from ..request import LlmRequest, ScheduledRequests
+from ..runtime import KVCache, LayerGroup, LifeCycle, PagePool
+from . import dummies, export, rules
 from .diagnostics import KVCacheResizeError, MissingKVCacheError, pool_diagnostic, resize_error
 
 
@@ -25,11 +25,15 @@ class KVCacheManagerV2:
 
     def __init__(
         self,
-        config: KvCacheConfig,
+        config: KVPoolConfig,
         *,
         max_draft_len: int = 0,
         num_extra_kv_tokens: int = 0,
+        mirror_policy: rules.MirrorPolicy | None = None,
+        trail_tokens: int = 0,
     ) -> None:
+        """`mirror_policy`: size every cache as a draft mirror under these rules (None: a target
+        cache); `trail_tokens`: tokens every window keeps below itself (the trail page)."""
         if max_draft_len < 0 or num_extra_kv_tokens < 0:
             raise ValueError(
                 f"max_draft_len ({max_draft_len}) and num_extra_kv_tokens ({num_extra_kv_tokens}) must be >= 0"
@@ -38,7 +42,11 @@ class KVCacheManagerV2:
         self.tokens_per_block = config.tokens_per_block
         self.max_draft_len = max_draft_len
         self.num_extra_kv_tokens = num_extra_kv_tokens
-        widen = self._window_widening_tokens()
+        self._mirror_policy = mirror_policy
+        #: Tokens kept below every window for a trailing drafter slot (one page, or 0): the one
+        #: answer the drafter's seeding, the estimators and the planner read.
+        self.draft_slot_trail_tokens = trail_tokens
+        widen = trail_tokens
         self.layer_groups: list[LayerGroup] = [
             LayerGroup(
                 LifeCycle(g.window, g.sink_blocks).widened(widen),
@@ -58,47 +66,37 @@ class KVCacheManagerV2:
         ]
         self._caches: dict[int, KVCache] = {}
 
-    # -- hooks a subclass may change ----------------------------------------------
-    def _window_widening_tokens(self) -> int:
-        """Tokens every window of this manager's life cycles keeps beyond the model's window."""
-        return 0
+    @property
+    def sizing_rules(self) -> rules.StepSizing:
+        """(capacity, history) per phase for this manager's caches (see `rules.StepSizing`)."""
+        return rules.StepSizing(self.max_draft_len, self.num_extra_kv_tokens, self._mirror_policy)
 
     @property
-    def draft_slot_trail_tokens(self) -> int:
-        """Tokens kept below every window for a trailing drafter slot: none in a target pool."""
-        return 0
+    def _draft_slot_trail_tokens(self) -> int:
+        """Upstream's name for `draft_slot_trail_tokens`."""
+        return self.draft_slot_trail_tokens
 
     @property
     def generation_headroom(self) -> int:
         """Tokens a generation step puts above history: the new token, drafts, extra."""
-        return 1 + self.max_draft_len + self.num_extra_kv_tokens
+        return rules.generation_headroom(self.max_draft_len, self.num_extra_kv_tokens)
 
     def context_headroom(self, chunk: int, is_last_chunk: bool) -> int:
         """Tokens a context chunk puts above its start: the chunk, the extra tokens, drafts on the last chunk."""
-        return chunk + self.num_extra_kv_tokens + (self.max_draft_len if is_last_chunk else 0)
+        return rules.context_headroom(chunk, is_last_chunk, self.max_draft_len, self.num_extra_kv_tokens)
 
-    # The target cache always follows the target view, whatever use_draft_model says.
-    _mirror_uses_draft_view = False
+    @property
+    def _mirror_uses_draft_view(self) -> bool:
+        """Does this cache read the request's draft view (upstream's name)? Never for a target cache."""
+        return self.sizing_rules.reads_draft_view
 
-    def _mirror_view(self, req: LlmRequest) -> ContextView:
-        """The (position, chunk) view this manager sizes from: the target's, here."""
-        return req.target_view
+    def _mirror_resize_error(self, req_id: int, phase: str, capacity: int, history: int | None) -> KVCacheResizeError:
+        """The one place resize errors (context, generation, dummy) are built, named as upstream.
 
-    def _dummy_history(self, history_hint: int | None) -> int | None:
-        """History a warmup dummy starts with (the hint lets a window back only itself)."""
-        return history_hint
-
-    def _context_sizing(self, req: LlmRequest, cache: KVCache) -> tuple[int, int | None]:
-        """(capacity, history) for the request's current context chunk (target view)."""
-        view = req.target_view
-        is_last = view.position + view.chunk_size >= req.prompt_len
-        return view.position + self.context_headroom(view.chunk_size, is_last), None
-
-    def _generation_sizing(self, req: LlmRequest, cache: KVCache) -> tuple[int, int | None]:
-        history = req.max_beam_num_tokens - 1
-        return history + self.generation_headroom, None
-
-    def _resize_error(self, req_id: int, phase: str, capacity: int, history: int | None) -> KVCacheResizeError:
+        `<label> <phase> resize failed for request N: could not resize to C tokens
+        (history H)`, then every live cache's capacity, history and logical blocks,
+        the windows and the free pages per group.
+        """
         return resize_error(
             label=self.error_label,
             request_id=req_id,
@@ -171,7 +169,7 @@ class KVCacheManagerV2:
             if fresh:
                 # A fresh cache that got nothing is dropped: no silent half-admitted request.
                 del self._caches[req.py_request_id]
-            raise self._resize_error(req.py_request_id, phase, capacity, history)
+            raise self._mirror_resize_error(req.py_request_id, phase, capacity, history)
 
     def _missing(self, request_ids: Iterable[int]) -> list[int]:
         return [rid for rid in request_ids if rid not in self._caches]
@@ -237,8 +235,8 @@ class KVCacheManagerV2:
                 request_ids=missing,
             )
         self._check_unique(batch)
-        steps = [(r, "context", self._context_sizing) for r in batch.context_requests]
-        steps += [(r, "generation", self._generation_sizing) for r in batch.generation_requests]
+        steps = [(r, "context", self.sizing_rules.context) for r in batch.context_requests]
+        steps += [(r, "generation", self.sizing_rules.generation) for r in batch.generation_requests]
         with self._batch_transaction(r.py_request_id for r, _, _ in steps):
             for req, phase, sizing in steps:
                 self._resize_or_raise(req, phase, sizing)
@@ -258,19 +256,14 @@ class KVCacheManagerV2:
         with self._batch_transaction(r.py_request_id for r in batch.context_requests):
             for req in batch.context_requests:
                 cache = self._caches[req.py_request_id]
-                position = self._mirror_view(req).position
+                position = self.sizing_rules.view(req).position
                 if position > cache.history_length:
                     cache.resize(max(cache.capacity, position), position)
 
     def prepare_disagg_gen_init(self, req: LlmRequest) -> None:
         """A generation worker's new request: the prompt is history, a step of headroom above it."""
-        self._resize_or_raise(req, self._disagg_gen_init_phase, self._disagg_gen_init_sizing)
-
-    # Named in resize errors; the legacy mirror presents this request as a context chunk.
-    _disagg_gen_init_phase = "generation"
-
-    def _disagg_gen_init_sizing(self, req: LlmRequest, cache: KVCache) -> tuple[int, int | None]:
-        return req.prompt_len + self.generation_headroom, req.prompt_len
+        rules_ = self.sizing_rules
+        self._resize_or_raise(req, rules_.disagg_gen_init_phase, rules_.disagg_gen_init)
 
     def update_resources(self, batch: ScheduledRequests) -> None:
         """After a step: drop rejected draft slots; history = tokens − 1 (the last has no KV).
@@ -293,47 +286,22 @@ class KVCacheManagerV2:
         self,
         request_ids: Iterable[int],
         token_nums: Iterable[int] | None = None,
-        *,
-        is_gen: bool = True,
+        is_gen: bool = False,
+        prepare_resource: bool = True,
         max_num_draft_tokens: int = 0,
+        use_mrope: bool = False,
+        max_beam_width: int = 1,
+        num_extra_decoding_steps: int = 0,
+        draft_kv_cache_manager: "KVCacheManagerV2 | None" = None,
+        *,
         history_hint: int | None = None,
     ) -> list[LlmRequest]:
-        """CUDA-graph warmup dummies; `history_hint` lets a windowed pool back only the window.
+        return dummies.add_dummy_requests(
+            self, request_ids, token_nums, is_gen, prepare_resource, max_num_draft_tokens, use_mrope,
+            max_beam_width, num_extra_decoding_steps, draft_kv_cache_manager, history_hint=history_hint,
+        )
 
-        Token counts may differ per dummy; a generation dummy's history is the hint
-        clamped to its own position (`tokens - 1`).
-        """
-        request_ids = list(request_ids)
-        token_nums = [1] * len(request_ids) if token_nums is None else list(token_nums)
-        if len(token_nums) != len(request_ids):
-            raise ValueError(f"{len(request_ids)} dummy ids but {len(token_nums)} token counts")
-        taken = [rid for rid in request_ids if rid in self._caches]
-        repeated = sorted({rid for rid in request_ids if request_ids.count(rid) > 1})
-        if taken or repeated:
-            bad = taken or repeated
-            raise ValueError(
-                f"{self.error_label}: dummy request {bad[0]} "
-                + ("already has a cache" if taken else "is named twice")
-                + (f" (also {bad[1:]})" if len(bad) > 1 else "")
-                + "; no dummy was added"
-            )
-        for rid, tokens in zip(request_ids, token_nums):
-            if tokens < 1:
-                raise ValueError(f"dummy request {rid}: token count must be >= 1, got {tokens}")
-        made: list[LlmRequest] = []
-        with self._batch_transaction(request_ids):
-            for rid, tokens in zip(request_ids, token_nums):
-                req = LlmRequest(rid, prompt_len=tokens, is_dummy=True)
-                if is_gen:
-                    req.state = LlmRequestState.GENERATION_IN_PROGRESS
-                capacity = tokens + max_num_draft_tokens + self.num_extra_kv_tokens
-                hint = self._dummy_history(history_hint)
-                # A generation dummy's next token sits at tokens - 1: more history than
-                # that would release pages its drafter slot, seeded there, still reads.
-                history = None if hint is None else min(hint, tokens - 1 if is_gen else capacity)
-                self._resize_or_raise(req, "dummy", lambda r, c, cap=capacity, h=history: (cap, h))
-                made.append(req)
-        return made
+    add_dummy_requests.__doc__ = dummies.add_dummy_requests.__doc__
 
     def free_resources(self, req: "LlmRequest | int | ScheduledRequests | Iterable[LlmRequest | int]") -> None:
         """Return every page of one request, or of every request of a batch or list.
@@ -363,39 +331,21 @@ class KVCacheManagerV2:
 
     # -- export -----------------------------------------------------------------
     def get_block_offsets(self, request_ids: Iterable[int], backend: str = "cpp") -> torch.Tensor:
-        """int32 `[num_pools, B, 2, max_blocks_per_seq]` block offsets, by block ordinal.
+        return export.get_block_offsets(self, request_ids, backend)
 
-        Entry `[p, b, k, i]` is `page * kv_factor + k` for the page backing ordinal i
-        of request b in pool p (K at k=0, V at k=1, in the pool's storage viewed as
-        `[pages * kv_factor, ...]`). Unbacked ordinals: `"python"` keeps -1; `"cpp"`
-        writes page 0's offset (a page some other request may own) or, when the
-        pool has a guard page, the guard page's.
-        """
-        if backend not in ("cpp", "python"):
-            raise ValueError(f"unknown block-offset backend {backend!r}; use 'cpp' or 'python'")
-        ids = list(request_ids)
-        caches = [self.get_cache(rid) for rid in ids]
-        kv = self.config.kv_factor
-        v_slot = 1 if kv > 1 else 0  # a K-only pool (kv_factor 1) has no separate V slot
-        width = self.config.max_blocks_per_seq
-        out = np.full((self.num_pools, len(ids), 2, width), BAD_PAGE_INDEX, dtype=np.int64)
-        for b, cache in enumerate(caches):
-            for p in range(self.num_pools):
-                row = np.asarray(cache._rows[p], dtype=np.int64)
-                if row.size > width:
-                    raise ValueError(
-                        f"request {ids[b]} spans {row.size} blocks, more than max_blocks_per_seq={width}"
-                    )
-                out[p, b, 0, : row.size] = np.where(row >= 0, row * kv, BAD_PAGE_INDEX)
-                out[p, b, 1, : row.size] = np.where(row >= 0, row * kv + v_slot, BAD_PAGE_INDEX)
-        if backend == "cpp":
-            for p, group in enumerate(self.layer_groups):
-                guard = group.pool.guard_page_index
-                fill = 0 if guard is None else guard * kv
-                sub = out[p]
-                sub[:, 0][sub[:, 0] < 0] = fill
-                sub[:, 1][sub[:, 1] < 0] = fill + v_slot
-        return torch.from_numpy(out.astype(np.int32))
+    def copy_batch_block_offsets(
+        self,
+        dst_tensor: torch.Tensor,
+        request_ids: Iterable[int],
+        beam_width: int,
+        num_contexts: int,
+        num_seqs: int,
+        max_blocks: int | None = None,
+    ) -> None:
+        export.copy_batch_block_offsets(self, dst_tensor, request_ids, beam_width, num_contexts, num_seqs, max_blocks)
+
+    get_block_offsets.__doc__ = export.get_block_offsets.__doc__
+    copy_batch_block_offsets.__doc__ = export.copy_batch_block_offsets.__doc__
 
     def check_accounting(self) -> None:
         """Every pool balances and no page is held by two caches."""

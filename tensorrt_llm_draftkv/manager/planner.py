@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import LayerGroupConfig, SpeculativeDecodingMode
+from . import rules
 from .budget import (
     bytes_per_page,
     group_pages_per_request,
@@ -56,13 +57,15 @@ class PoolReport:
         return min(g.max_concurrency for g in self.groups)
 
 
-def trail_tokens_for(mode: SpeculativeDecodingMode | None, geometry: PoolGeometry, is_draft_pool: bool) -> int:
-    """The trail page: P tokens on a DFlash/DSpark draft pool with any windowed group."""
-    if not is_draft_pool or mode is None or not mode.keeps_trail_page():
+def trail_tokens_for(mode: SpeculativeDecodingMode | str | None, geometry: PoolGeometry, is_draft_pool: bool) -> int:
+    """The trail page: P tokens on a DFlash/DSpark draft pool with any windowed group (see `rules`)."""
+    if not is_draft_pool or mode is None:
         return 0
-    if all(g.window is None for g in geometry.layer_groups):
-        return 0
-    return geometry.tokens_per_block
+    return rules.draft_slot_trail_tokens(
+        rules.MirrorPolicy(SpeculativeDecodingMode.parse(mode)),  # a mode or its name
+        tokens_per_block=geometry.tokens_per_block,
+        any_windowed_group=any(g.window is not None for g in geometry.layer_groups),
+    )
 
 
 def plan_pool(

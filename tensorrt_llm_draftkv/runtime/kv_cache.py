@@ -178,8 +178,15 @@ class KVCache:
         self.closed = True
 
     def checkpoint(self) -> tuple:
-        """State to `restore` if a later step of the same batch fails."""
-        return (self.capacity, self.history_length, self.committed, [list(r) for r in self._rows], list(self._settled))
+        """Everything that defines this cache, immutable: what `restore` returns to, and what
+        a test compares for bit-identity."""
+        return (
+            self.capacity,
+            self.history_length,
+            self.committed,
+            tuple(tuple(r) for r in self._rows),
+            tuple(self._settled),
+        )
 
     def restore(self, state: tuple) -> None:
         """Return to a checkpoint: give back pages gained since, take back pages released since.
@@ -197,6 +204,3 @@ class KVCache:
         self._settled = list(settled)
         self.capacity, self.history_length, self.committed = capacity, history, committed
 
-    def snapshot(self) -> tuple:
-        """Everything that defines this cache, for bit-identity checks."""
-        return (self.capacity, self.history_length, self.committed, tuple(tuple(r) for r in self._rows))

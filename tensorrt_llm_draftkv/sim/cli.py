@@ -129,7 +129,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     from dataclasses import replace
 
-    from ..manager.mirror_sizing import MirrorSizing
+    from ..manager.rules import MirrorSizing
     from .scenario import DEFAULT_SCENARIO
     from .simulate import format_table, simulate, write_json, write_plot
 

@@ -137,8 +137,7 @@ def admit_transfer(item: Transfer, executor) -> LlmRequest:
         raise
     for g, (lo, k, v) in enumerate(zip(item.group_lo, item.keys, item.values)):
         executor.target_model.write_kv_values(req.py_request_id, lo, k, v, groups=[g])
-    req.state = LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE
-    req.state = LlmRequestState.GENERATION_IN_PROGRESS
+    req.state = LlmRequestState.GENERATION_IN_PROGRESS  # the transfer is complete: it decodes now
     executor.add_generation_request(req, item.tokens)
     return req
 

@@ -197,13 +197,6 @@ class DFlashDrafter:
         kv[:, :, 0, :, fd : fd + 2] = self._rotary(positions)[:, None]
         return kv
 
-    def project_kv(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``[n, 2, H, D]`` K/V of one layer (for inspection and tests)."""
-        for gi, g in enumerate(self._groups):
-            if layer in g.layers:
-                return self._project_group(gi, hidden, positions)[:, g.layers.index(layer)]
-        raise IndexError(f"layer {layer} out of range")
-
     def _block_kv(self, gi: int, positions: torch.Tensor) -> torch.Tensor:
         """``[n, Lg, 2, H, D]`` K/V of block tokens: RoPE only, zero value."""
         c = self.config

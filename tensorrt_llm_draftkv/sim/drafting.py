@@ -7,15 +7,19 @@ hands it token ids and absolute positions; it turns them into the target's
 stand-in hidden states (`TokenFeatures`). When more requests want a slot than
 there are slots, it evicts the least recently used slots of requests that are
 not in the step; an evicted request is reseeded when it returns.
+
+`build_drafter` is the one factory of metadata, features, checker and drafter
+over a draft manager (or a private per-slot arena).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Sequence
 
 import torch
 
 from ..manager import DraftKVCacheManagerV2
-from ..manager.mirror_sizing import MirrorSizing
+from ..manager.rules import MirrorSizing
 from ..request import LlmRequest, ScheduledRequests
 from ..speculative import DFlashSpecMetadata, Seeding
 from .drafter import DFlashDrafter, DFlashDrafterConfig
@@ -26,49 +30,79 @@ FEATURE_SEED = 2024
 ROW_CHECK_EVERY = 16  # steps between full row checks of the ownership checker
 
 
+def build_drafter(
+    draft_manager: DraftKVCacheManagerV2,
+    *,
+    vocab_size: int,
+    block_size: int,
+    num_slots: int,
+    max_ctx_len: int,
+    feature_dim: int,
+    seeding: Seeding | str = Seeding.BASE,
+    page_aligned_seed: bool | None = None,
+    fused: bool = True,
+    backend: str = "cpp",
+    feature_seed: int = FEATURE_SEED,
+    private_arena: bool = False,
+    checker: bool = True,
+    raise_on_violation: bool = False,
+) -> DFlashDrafter:
+    """Metadata (``num_slots`` slots), token features, ownership checker and toy drafter.
+
+    Geometry (page size, heads, head dim, dtype, device) comes from the draft
+    pool's config. ``private_arena``: the drafter keeps its K/V in a per-slot
+    arena of its own instead of the pool (the manager still sizes mirrors and
+    the checker still follows its pools).
+    """
+    cfg = draft_manager.config
+    features = TokenFeatures(vocab_size, feature_dim, block_size - 1, seed=feature_seed, device=cfg.device)
+    meta = DFlashSpecMetadata(
+        num_slots,
+        block_size=block_size,
+        tokens_per_block=cfg.tokens_per_block,
+        max_ctx_len=max_ctx_len,
+        device=cfg.device,
+        seeding=seeding,
+        fused=fused,
+        backend=backend,
+        page_aligned_seed=page_aligned_seed,
+    )
+    chk = OwnershipChecker(draft_manager, raise_on_violation=raise_on_violation) if checker else None
+    config = DFlashDrafterConfig(
+        vocab_size=vocab_size,
+        block_size=block_size,
+        feature_dim=feature_dim,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=cfg.dtype,
+    )
+    return DFlashDrafter(config, features, meta, None if private_arena else draft_manager, checker=chk)
+
+
 class DFlashSpeculator:
-    """Drives one DFlash drafter for an executor (see executor/engine.py's Speculator)."""
+    """Drives one DFlash drafter for an executor (see engine.py's Speculator).
+
+    ``evict_idle_slots``: make room by evicting the least recently used slots
+    of requests outside the step (else running out of slots raises
+    ``NoFreeSlotError``). ``audit``: check the checker's owner map against the
+    pools every step, and the rows and the export every ``ROW_CHECK_EVERY``.
+    """
 
     def __init__(
         self,
         draft_manager: DraftKVCacheManagerV2,
+        drafter: DFlashDrafter,
         *,
-        vocab_size: int,
-        block_size: int,
-        num_slots: int,
-        max_ctx_len: int,
-        seeding: Seeding,
-        feature_dim: int,
-        page_aligned_seed: bool | None = None,
+        evict_idle_slots: bool = True,
+        audit: bool = True,
     ) -> None:
-        cfg = draft_manager.config
         self.draft_manager = draft_manager
-        self.features = TokenFeatures(vocab_size, feature_dim, history=block_size - 1, seed=FEATURE_SEED, device=cfg.device)
-        self.meta = DFlashSpecMetadata(
-            num_slots,
-            block_size=block_size,
-            tokens_per_block=cfg.tokens_per_block,
-            max_ctx_len=max_ctx_len,
-            device=cfg.device,
-            seeding=seeding,
-            backend="cpp",
-            page_aligned_seed=page_aligned_seed,
-        )
-        self.checker = OwnershipChecker(draft_manager)
-        self.drafter = DFlashDrafter(
-            DFlashDrafterConfig(
-                vocab_size=vocab_size,
-                block_size=block_size,
-                feature_dim=feature_dim,
-                num_kv_heads=cfg.num_kv_heads,
-                head_dim=cfg.head_dim,
-                dtype=cfg.dtype,
-            ),
-            self.features,
-            self.meta,
-            draft_manager,
-            checker=self.checker,
-        )
+        self.drafter = drafter
+        self.meta: DFlashSpecMetadata = drafter.meta
+        self.features: TokenFeatures = drafter.features
+        self.checker: OwnershipChecker | None = drafter.checker
+        self.evict_idle_slots = evict_idle_slots
+        self.audit = audit
         self._recent: OrderedDict[int, None] = OrderedDict()  # slot holders, least recent first
         self._accepted: dict[int, torch.Tensor] = {}
         self._optimistic: dict[int, torch.Tensor] = {}
@@ -79,44 +113,34 @@ class DFlashSpeculator:
         #: largest p - b*P of any generation seed: how far a seeded slot trails its request
         self.max_seed_lag_tokens = 0
 
+    def _count(self, name: str) -> int:
+        return 0 if self.checker is None else getattr(self.checker, name, 0)
+
     @property
     def foreign_page_accesses(self) -> int:
-        return self.checker.foreign_page_accesses
+        return self._count("foreign_page_accesses")
 
     @property
     def stale_reads(self) -> int:
-        return self.checker.stale_reads
+        return self._count("stale_reads")
 
     @property
     def unbacked_accesses(self) -> int:
-        return self.checker.unbacked_accesses
+        return self._count("unbacked_accesses")
 
     @property
     def accounting_errors(self) -> int:
-        return getattr(self.checker, "accounting_errors", 0)
+        return self._count("accounting_errors")
 
     # -- per step --------------------------------------------------------------------
     def prepare(self, batch: ScheduledRequests) -> None:
+        """Map the step's rows (warmup dummies included) to slots; evict idle ones first if allowed."""
         wanted = [r.py_request_id for r in batch.all_requests()]
-        need = sum(1 for rid in wanted if not self.meta.has_slot(rid))
-        free = len(self.meta.free_slots)
-        for rid in list(self._recent):
-            if need <= free:
-                break
-            if rid not in wanted and self.meta.has_slot(rid):
-                self.meta.evict(rid)  # the request lives on; its slot is reseeded when it returns
-                del self._recent[rid]
-                free += 1
-        self.meta.prepare(batch, self.draft_manager)
-        # The checker's own page -> owner map against the pools, every step; against
-        # every live row now and then (rows are long on long prompts).
-        self.checker.check_accounting()
-        self._steps += 1
-        if self._steps % ROW_CHECK_EVERY == 0:
-            self.checker.check_rows()
-            ids = self.meta.request_ids
-            if ids:
-                self.checker.check_export(ids, self.draft_manager.get_block_offsets(ids, "cpp"), "cpp")
+        if self.evict_idle_slots:
+            self._evict_idle(wanted)
+        self.meta.prepare(batch, self.drafter.draft_manager)
+        if self.audit:
+            self._audit()
         for row in self.meta.rows:
             seed = self.meta.seeds.get(row.request_id)
             if seed is None or row.kind != "generation":
@@ -131,27 +155,76 @@ class DFlashSpeculator:
         self._accepted.clear()
         self._optimistic.clear()
 
-    def _hidden(self, tokens: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    def _evict_idle(self, wanted: list[int]) -> None:
+        need = sum(1 for rid in wanted if not self.meta.has_slot(rid))
+        free = len(self.meta.free_slots)
+        for rid in list(self._recent):
+            if need <= free:
+                break
+            if rid not in wanted and self.meta.has_slot(rid):
+                self.meta.evict(rid)  # the request lives on; its slot is reseeded when it returns
+                del self._recent[rid]
+                free += 1
+
+    def _audit(self) -> None:
+        """The checker's own page -> owner map against the pools, every step; against
+        every live row now and then (rows are long on long prompts)."""
+        if self.checker is None:
+            return
+        self.checker.check_accounting()
+        self._steps += 1
+        if self._steps % ROW_CHECK_EVERY == 0:
+            self.checker.check_rows()
+            ids = self.meta.request_ids
+            if ids and self.drafter.draft_manager is not None:
+                self.checker.check_export(ids, self.draft_manager.get_block_offsets(ids, "cpp"), "cpp")
+
+    def _hidden(
+        self, tokens: torch.Tensor, start: int, end: int, next_tokens: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Hidden states of absolute positions ``[start, end)``; next tokens default to the tokens after them."""
         positions = torch.arange(start, end, device=tokens.device)
-        return self.features.hidden_states(tokens[: end + 1], positions, tokens[start + 1 : end + 1])
+        nxt = tokens[start + 1 : end + 1] if next_tokens is None else next_tokens
+        return self.features.hidden_states(tokens[: end + 1], positions, nxt)
 
     def store_context(self, req: LlmRequest, tokens: torch.Tensor, start: int, end: int) -> None:
         """A prefill chunk [start, end): tokens[start + 1 .. end] are known (the last may be the first output)."""
+        self._write_reused_prefix(req, tokens)
         positions = torch.arange(start, end, device=tokens.device)
         self.drafter.store_context(req, positions, self._hidden(tokens, start, end))
 
-    def store_accepted(
-        self, req: LlmRequest, tokens: torch.Tensor, start: int, end: int, verified_end: int | None = None
+    def _write_reused_prefix(self, req: LlmRequest, tokens: torch.Tensor) -> None:
+        """On a pool paired with the target's block reuse, a chunk placed past 0 over base 0 reads the
+        prefix's drafter K/V [0, ctx_len) from the pool. Nobody computed it here, so put it there
+        (what an earlier request sharing the prefix would have left), on the pages the mirror backs."""
+        if not getattr(self.drafter.draft_manager, "joint_kv_cache_reuse", False):
+            return
+        seed = self.meta.seeds.get(req.py_request_id)
+        if seed is None or seed.base_pages != 0 or seed.ctx_len == 0:
+            return
+        positions = torch.arange(0, seed.ctx_len, device=tokens.device)
+        self.drafter.write_reused_prefix(req, positions, self._hidden(tokens, 0, seed.ctx_len))
+
+    def store_verified(
+        self, req: LlmRequest, tokens: torch.Tensor, preds: Sequence[int], keep: int, *, optimistic: bool = False
     ) -> None:
-        """Verified tokens [start, end) continue the slot; [end, verified_end) were rejected drafts."""
-        self._accepted[req.py_request_id] = self._hidden(tokens, start, end)
-        if verified_end is not None and verified_end > end:
-            self._optimistic[req.py_request_id] = self._hidden(tokens, start, verified_end)
+        """A generation row verified absolute positions ``[n - 1, n - 1 + len(preds))`` (``n``: tokens held
+        before the step): ``tokens[p]`` is what the target read at ``p`` (the last token, then the drafts)
+        and ``preds[i]`` its greedy next token after ``n - 1 + i``. The first ``keep`` positions (accepted
+        drafts + bonus) continue the slot; ``optimistic``: every verified one is committed first, then rolled back.
+        """
+        n = req.max_beam_num_tokens
+        hidden = self._hidden(tokens, n - 1, n - 1 + len(preds), preds)
+        self._accepted[req.py_request_id] = hidden[:keep]
+        if optimistic:
+            self._optimistic[req.py_request_id] = hidden
 
     def propose(self, reqs: list[LlmRequest], tokens: dict[int, torch.Tensor]) -> dict[int, list[int]]:
+        """Commit the step's verified tokens, then block-decode each request's next drafts."""
         if self._optimistic:
-            # Commit every verified token, then roll back: the slot's lengths and
-            # bases return to where they were and only the accepted ones are kept.
+            # One trial commit of the whole batch (optimistic rows: every verified token;
+            # the others: their accepted ones), then roll back: the slots' lengths and
+            # bases return to where they were and only the accepted tokens are kept.
             snap = self.meta.snapshot()
             self.drafter.commit_step({**self._accepted, **self._optimistic})
             self.meta.rollback(snap)
@@ -164,10 +237,18 @@ class DFlashSpeculator:
                 out[rid] = [int(t) for t in drafts[row].tolist() if t >= 0]
         return out
 
+    def evict(self, request_id: int) -> None:
+        """Take a live request's slot away; its next row is seeded afresh."""
+        self.meta.evict(request_id)
+        self._recent.pop(request_id, None)
+
     def release(self, request_id: int) -> None:
+        """A finished request (or a warmup dummy): its slot, and everything the checker knows of it."""
         self.meta.free(request_id, missing_ok=True)
         self._recent.pop(request_id, None)
         self._had_slot.discard(request_id)
+        if self.checker is not None:
+            self.checker.forget(request_id)
 
 
 def build_speculator(setup, draft_manager: DraftKVCacheManagerV2, sizing: MirrorSizing, slots: int) -> DFlashSpeculator:
@@ -176,7 +257,7 @@ def build_speculator(setup, draft_manager: DraftKVCacheManagerV2, sizing: Mirror
     Without the trail page (`setup.trail_page=False`, an ablation) the seed stays
     page-aligned, so the run shows what the trail page prevents.
     """
-    return DFlashSpeculator(
+    drafter = build_drafter(
         draft_manager,
         vocab_size=setup.vocab_size,
         block_size=setup.block_size,
@@ -186,3 +267,4 @@ def build_speculator(setup, draft_manager: DraftKVCacheManagerV2, sizing: Mirror
         feature_dim=setup.draft_head_dim - 2,
         page_aligned_seed=None if setup.trail_page else True,
     )
+    return DFlashSpeculator(draft_manager, drafter)

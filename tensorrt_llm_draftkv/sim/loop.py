@@ -1,70 +1,86 @@
-"""DraftLoop: a minimal single-worker executor loop driving the DFlash drafter in call order.
+"""DraftLoop: the executor loop, drafter only, with a ground-truth oracle in place of the target.
 
-It stands in for the executor of a one-engine external drafter with its own
-draft pool, and does exactly what ``dflash_metadata``'s docstring lists, with a
-*target oracle* in place of the target model: each request carries its ground-
-truth token stream, the target's greedy next token is the next truth token, and
-hidden states come from :class:`TokenFeatures`. Only the draft side exists (no
-target cache); the draft manager, the metadata, the drafter and the pool
-tensors are the real ones.
-
-Per :meth:`step`:
-
-0. warmup dummies (``draft_manager.add_dummy_requests``) join as generation rows;
-   ``draft_manager.prepare_resources(batch)``;
-1. ``meta.prepare(batch, draft_manager)`` (on a pool paired with the target's block
-   reuse the loop then writes the reused prefix's drafter K/V a context tail reads,
-   standing in for the earlier request that shared the prefix);
-2. context rows: ``drafter.store_context(req, positions, hidden)``;
-3. generation rows: verify the drafts against the truth (acceptance optionally
-   capped); optionally commit every verified token first and ``rollback()``
-   (a rejected optimistic commit); ``drafter.commit_step({rid: hidden})``;
-4. append the accepted tokens and the bonus token, advance context views;
-5. ``drafter.propose()`` -> each request's next drafts;
-6. ``draft_manager.update_context_resources`` / ``update_resources``; dummies freed.
+A thin adapter over :class:`~.engine.Executor` (with
+:class:`~.drafting.DFlashSpeculator` as its drafter and a
+:class:`~.verify.TruthVerifier`): each request carries its ground-truth token
+stream, the target's greedy next token at position ``p`` is ``truth[p + 1]``,
+and hidden states come from :class:`TokenFeatures`. Only the draft side exists
+(no target cache); the draft manager, the metadata, the drafter and the pool
+tensors are the real ones. Every step runs every live request (or the ones
+named), with no token budget, in the executor's call order (see engine.py).
+The loop only configures that step: explicit batches and chunk sizes, capped
+acceptance, optimistic commits, warmup dummies. Positions are absolute.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Iterable, Mapping
 
 import torch
 
 from ..config import KvCacheConfig, LayerGroupConfig, SpeculativeDecodingMode
+from ..manager import DraftKVCacheManagerV2
 from ..request import ContextView, LlmRequest, LlmRequestState, ScheduledRequests
-from ..speculative.dflash_metadata import DFlashSpecMetadata, required_extra_kv_tokens
-from .drafter import DFlashDrafter, DFlashDrafterConfig
-from .features import TokenFeatures, acceptance
+from ..speculative import DFlashSpecMetadata, required_extra_kv_tokens
+from .drafter import DFlashDrafter
+from .drafting import DFlashSpeculator, build_drafter
+from .engine import Executor, StepResult
+from .features import TokenFeatures
 from .ownership import OwnershipChecker
+from .scheduler import Scheduler, SchedulerConfig
+from .verify import TruthVerifier
+
+__all__ = ["DraftLoop", "StepResult"]
 
 
-@dataclasses.dataclass
-class StepResult:
-    accepted: dict[int, int]  # generation request id -> accepted drafts this step
-    drafted: dict[int, int]  # generation request id -> drafts verified this step
-    drafts: dict[int, list[int]]  # request id -> drafts proposed for the next step
+def _pool_config(
+    windows: tuple, layers_per_group: tuple | None, pages: int | tuple, num_layers: int, **geometry
+) -> KvCacheConfig:
+    """One layer group per window; ``num_layers`` spread as ``layers_per_group`` says (default: all
+    in the first group, one in each other); ``pages`` per group (one count for all, or one each)."""
+    if layers_per_group is None:
+        rest = len(windows) - 1
+        layers_per_group = (num_layers - rest, *([1] * rest))
+    if sum(layers_per_group) != num_layers or len(layers_per_group) != len(windows):
+        raise ValueError(
+            f"layers_per_group {layers_per_group} must cover {num_layers} layers in {len(windows)} groups"
+        )
+    return KvCacheConfig(
+        layer_groups=tuple(LayerGroupConfig(n, window=w) for n, w in zip(layers_per_group, windows)),
+        pages_per_group=(pages,) * len(windows) if isinstance(pages, int) else tuple(pages),
+        **geometry,
+    )
 
 
 class DraftLoop:
-    """A draft manager, a DFlashSpecMetadata and a DFlashDrafter driven by a truth oracle."""
+    """A draft manager, a DFlashSpecMetadata and a DFlashDrafter driven through the executor by a truth oracle."""
 
     def __init__(
         self,
-        draft_manager,
+        draft_manager: DraftKVCacheManagerV2,
         meta: DFlashSpecMetadata,
         drafter: DFlashDrafter,
         features: TokenFeatures,
     ) -> None:
+        if drafter.meta is not meta or drafter.features is not features:
+            raise ValueError("the drafter must be built on this metadata and these features")
         self.dm = draft_manager
         self.meta = meta
         self.drafter = drafter
         self.features = features
+        self.verifier = TruthVerifier()
+        # Running out of slots raises (the caller evicts); the checker counts only what the steps do.
+        self.speculator = DFlashSpeculator(draft_manager, drafter, evict_idle_slots=False, audit=False)
+        self.executor = Executor(
+            scheduler=Scheduler(SchedulerConfig(max_draft_len=meta.block_size - 1)),  # batches are explicit
+            max_new_tokens=1 << 30,
+            verifier=self.verifier,
+            draft_manager=draft_manager,
+            speculator=self.speculator,
+        )
         self.requests: dict[int, LlmRequest] = {}
-        self.truth: dict[int, list[int]] = {}
         self.accepted_total = 0
         self.drafted_total = 0
         self.generation_steps = 0
-        self._next_dummy = 1 << 40
 
     @classmethod
     def build(
@@ -103,26 +119,10 @@ class DraftLoop:
         other). The manager leaves room for the block
         (``num_extra_kv_tokens = required_extra_kv_tokens(block_size)``).
         """
-        from ..manager import DraftKVCacheManagerV2
-
-        num_layers = block_size - 1
-        if layers_per_group is None:
-            rest = len(windows) - 1
-            layers_per_group = (num_layers - rest, *([1] * rest))
-        if sum(layers_per_group) != num_layers or len(layers_per_group) != len(windows):
-            raise ValueError(
-                f"layers_per_group {layers_per_group} must cover {num_layers} layers in {len(windows)} groups"
-            )
-        pages = (pages,) * len(windows) if isinstance(pages, int) else tuple(pages)
-        config = KvCacheConfig(
-            layer_groups=tuple(LayerGroupConfig(n, window=w) for n, w in zip(layers_per_group, windows)),
-            pages_per_group=pages,
-            tokens_per_block=tokens_per_block,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            device=device,
-            guard_page=guard_page,
-            max_seq_len=max_seq_len,
+        config = _pool_config(
+            windows, layers_per_group, pages, block_size - 1,
+            tokens_per_block=tokens_per_block, num_kv_heads=num_kv_heads, head_dim=head_dim, device=device,
+            guard_page=guard_page, max_seq_len=max_seq_len,
         )
         dm = DraftKVCacheManagerV2(
             config,
@@ -132,29 +132,23 @@ class DraftLoop:
             joint_kv_cache_reuse=joint_kv_cache_reuse,
             trail_page=trail_page,
         )
-        meta = DFlashSpecMetadata(
-            max_batch_size,
+        drafter = build_drafter(
+            dm,
+            vocab_size=vocab_size,
             block_size=block_size,
-            tokens_per_block=tokens_per_block,
+            num_slots=max_batch_size,
             max_ctx_len=max_seq_len if max_ctx_len is None else max_ctx_len,
-            device=device,
+            feature_dim=feature_dim,
             seeding=seeding,
+            page_aligned_seed=page_aligned_seed,
             fused=fused,
             backend=backend,
-            page_aligned_seed=page_aligned_seed,
+            feature_seed=feature_seed,
+            private_arena=private_arena,
+            checker=checker,
+            raise_on_violation=raise_on_violation,
         )
-        features = TokenFeatures(vocab_size, feature_dim, num_layers, seed=feature_seed, device=device)
-        chk = OwnershipChecker(dm, raise_on_violation=raise_on_violation) if checker else None
-        drafter = DFlashDrafter(
-            DFlashDrafterConfig(
-                vocab_size, block_size, feature_dim=feature_dim, num_kv_heads=num_kv_heads, head_dim=head_dim
-            ),
-            features,
-            meta,
-            None if private_arena else dm,
-            checker=chk,
-        )
-        return cls(dm, meta, drafter, features)
+        return cls(dm, drafter.meta, drafter, drafter.features)
 
     @property
     def checker(self) -> OwnershipChecker | None:
@@ -164,7 +158,23 @@ class DraftLoop:
     def block_size(self) -> int:
         return self.meta.block_size
 
+    @property
+    def truth(self) -> dict[int, list[int]]:
+        """Each live request's ground-truth token stream (the verifier's)."""
+        return self.verifier.truth
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_total / max(self.drafted_total, 1)
+
     # ------------------------------------------------------------------ requests
+    def _track(self, req: LlmRequest, truth: list[int]) -> LlmRequest:
+        self.requests[req.py_request_id] = req
+        self.truth[req.py_request_id] = truth
+        room = len(truth) - len(req.tokens) + self.meta.block_size + 1  # every truth token and a block of drafts
+        self.executor.track(req, torch.tensor(req.tokens, dtype=torch.long), room=room)
+        return req
+
     def add_context_request(
         self, rid: int, truth: list[int], prompt_len: int, *, chunk: int | None = None, start: int = 0
     ) -> LlmRequest:
@@ -174,9 +184,7 @@ class DraftLoop:
         req = LlmRequest(rid, prompt_len, tokens=list(truth[:prompt_len]))
         size = prompt_len - start if chunk is None else min(chunk, prompt_len - start)
         req.target_view = ContextView(start, size)
-        self.requests[rid] = req
-        self.truth[rid] = truth
-        return req
+        return self._track(req, truth)
 
     def add_disagg_request(self, rid: int, truth: list[int], prompt_len: int) -> LlmRequest:
         """A generation worker's new request: prompt + first token arrive, the mirror is gen-init sized."""
@@ -185,54 +193,21 @@ class DraftLoop:
         )
         self.dm.prepare_disagg_gen_init(req)
         req.state = LlmRequestState.GENERATION_IN_PROGRESS
-        self.requests[rid] = req
-        self.truth[rid] = truth
-        return req
+        return self._track(req, truth)
 
     def finish(self, rid: int) -> None:
-        req = self.requests.pop(rid)
-        self.truth.pop(rid)
-        req.state = LlmRequestState.GENERATION_COMPLETE
-        self.meta.free(rid, missing_ok=True)
-        if self.dm.has_cache(rid):  # a request never scheduled holds no mirror
-            self.dm.free_resources(rid)
-        if self.drafter.checker is not None:
-            self.drafter.checker.forget(rid)
+        """The request completes: its mirror, its slot and what the checker knows of it are freed."""
+        self.executor.complete(self.requests.pop(rid))
 
     def evict(self, rid: int) -> None:
-        self.meta.evict(rid)
+        """Take the request's slot away; its next row is seeded afresh."""
+        self.speculator.evict(rid)
 
     def remaining(self, rid: int) -> int:
         """Truth tokens left after the request's tokens (a step may append up to block_size)."""
         return len(self.truth[rid]) - len(self.requests[rid].tokens)
 
     # ------------------------------------------------------------------ one step
-    def _tokens(self, rid: int, upto: int) -> torch.Tensor:
-        return torch.tensor(self.truth[rid][:upto], dtype=torch.long)
-
-    def _hidden(self, rid: int, tokens: list[int], positions: range, next_tokens: list[int]) -> torch.Tensor:
-        return self.features.hidden_states(
-            torch.tensor(tokens, dtype=torch.long),
-            torch.tensor(list(positions), dtype=torch.long),
-            torch.tensor(next_tokens, dtype=torch.long),
-        )
-
-    def _simulate_block_reuse(self, ctx_reqs: list[LlmRequest]) -> None:
-        """On a pool paired with the target's block reuse a context tail is stored at its target
-        position over base 0 and reads the prefix's drafter K/V from the pool. Here nobody
-        computed that prefix, so the loop puts it there (what an earlier request sharing the
-        prefix would have left), on the pages the mirror backs."""
-        if not getattr(self.dm, "joint_kv_cache_reuse", False) or self.drafter.draft_manager is None:
-            return
-        for req in ctx_reqs:
-            seed = self.meta.seeds.get(req.py_request_id)
-            if seed is None or seed.base_pages != 0 or seed.ctx_len == 0:
-                continue
-            truth = self.truth[req.py_request_id]
-            pos = range(0, seed.ctx_len)
-            hidden = self._hidden(req.py_request_id, truth[: seed.ctx_len + 1], pos, [truth[p + 1] for p in pos])
-            self.drafter.write_reused_prefix(req, torch.tensor(list(pos)), hidden)
-
     def step(
         self,
         rids: Iterable[int] | None = None,
@@ -248,104 +223,28 @@ class DraftLoop:
         ``chunks``: next chunk size of context requests after this one (default:
         the rest of the prompt). ``accept_cap``: most drafts a generation request
         may accept this step (forced rejections). ``optimistic``: generation
-        requests whose every verified token is committed first, then rolled back
-        to what was accepted. ``dummies``: warmup dummies of ``dummy_tokens`` (one
-        count for all, or one per dummy).
+        requests whose every verified token is committed first (in one trial
+        commit of the batch, the other rows at their accepted tokens), then rolled
+        back to what was accepted. ``dummies``: warmup dummies of ``dummy_tokens``
+        (one count for all, or one per dummy) join the draft rows for this step.
         """
-        ids = list(self.requests) if rids is None else list(rids)
-        ctx_reqs = [self.requests[r] for r in ids if self.requests[r].is_context_init_state]
-        gen_reqs = [self.requests[r] for r in ids if self.requests[r].is_generation_in_progress_state]
-        dummy_reqs: list[LlmRequest] = []
-        if dummies:
-            dummy_ids = list(range(self._next_dummy, self._next_dummy + dummies))
-            self._next_dummy += dummies
-            sizes = [dummy_tokens] * dummies if isinstance(dummy_tokens, int) else list(dummy_tokens)
-            dummy_reqs = self.dm.add_dummy_requests(
-                dummy_ids,
-                sizes,
-                is_gen=True,
-                max_num_draft_tokens=self.dm.max_draft_len,
-                history_hint=max(sizes) - 1,
-            )
-        batch = ScheduledRequests(context_requests=ctx_reqs, generation_requests=[*gen_reqs, *dummy_reqs])
+        reqs = [self.requests[r] for r in (self.requests if rids is None else rids)]
+        batch = ScheduledRequests(
+            context_requests=[r for r in reqs if r.is_context_init_state],
+            generation_requests=[r for r in reqs if r.is_generation_in_progress_state],
+        )
+        sizes = [dummy_tokens] * dummies if isinstance(dummy_tokens, int) else list(dummy_tokens)
+        if dummies and len(sizes) != dummies:
+            raise ValueError(f"{len(sizes)} dummy sizes for {dummies} dummies")
+        self.verifier.accept_cap = accept_cap
         try:
-            self.dm.prepare_resources(batch)
-            self.meta.prepare(batch, None if self.drafter.draft_manager is None else self.dm)
-            self._simulate_block_reuse(ctx_reqs)
-
-            # (b) context chunks at their target positions
-            for req in ctx_reqs:
-                rid, view = req.py_request_id, req.target_view
-                truth = self.truth[rid]
-                pos = range(view.position, view.position + view.chunk_size)
-                hidden = self._hidden(rid, truth[: req.prompt_len + 1], pos, [truth[p + 1] for p in pos])
-                self.drafter.store_context(req, torch.tensor(list(pos)), hidden)
-
-            # (c) generation rows: verification against the truth, then the commit
-            accepted: dict[int, int] = {}
-            drafted: dict[int, int] = {}
-            commit: dict[int, torch.Tensor] = {}
-            trial: dict[int, torch.Tensor] = {}
-            optimistic = set(optimistic)
-            for req in gen_reqs:
-                rid, truth = req.py_request_id, self.truth[req.py_request_id]
-                n = len(req.tokens)
-                drafts = list(req.py_draft_tokens)[: max(len(truth) - n, 0)]
-                a = acceptance(drafts, truth[n : n + len(drafts)])
-                if accept_cap is not None:
-                    cap = accept_cap(rid) if callable(accept_cap) else accept_cap.get(rid, a)
-                    a = min(a, max(int(cap), 0))
-                accepted[rid], drafted[rid] = a, len(drafts)
-                pos = range(n - 1, n + a)
-                commit[rid] = self._hidden(rid, truth[: n + a + 1], pos, [truth[p + 1] for p in pos])
-                if rid in optimistic:
-                    seq = list(req.tokens) + drafts
-                    vpos = range(n - 1, n + len(drafts))
-                    trial[rid] = self._hidden(rid, seq, vpos, [truth[p + 1] for p in vpos])
-            if trial:
-                snap = self.meta.snapshot()
-                self.drafter.commit_step(trial)
-                self.meta.rollback(snap)
-            if commit:
-                self.drafter.commit_step(commit)
-
-            # advance the requests
-            for req in gen_reqs:
-                rid, n = req.py_request_id, len(req.tokens)
-                req.tokens.extend(self.truth[rid][n : n + accepted[rid] + 1])
-                req.py_num_accepted_draft_tokens = accepted[rid]
-            for req in ctx_reqs:
-                nxt = None if chunks is None else chunks.get(req.py_request_id)
-                req.advance_context_chunk(nxt)
-                if req.target_view.position >= req.prompt_len:
-                    req.state = LlmRequestState.GENERATION_IN_PROGRESS
-                    req.tokens.append(self.truth[req.py_request_id][req.prompt_len])
-
-            # (d) drafts for the next step
-            drafts_t = self.drafter.propose()
-            drafts_out: dict[int, list[int]] = {}
-            for i, row in enumerate(self.meta.rows):
-                if row.proposing and not row.request.is_dummy:
-                    d = drafts_t[i].tolist()
-                    row.request.py_draft_tokens = d
-                    drafts_out[row.request_id] = d
-                elif not row.request.is_dummy:
-                    row.request.py_draft_tokens = []
-
-            real = ScheduledRequests(context_requests=ctx_reqs, generation_requests=gen_reqs)
-            self.dm.update_context_resources(ScheduledRequests(context_requests=ctx_reqs))
-            self.dm.update_resources(real)
+            res = self.executor.step(
+                batch, chunks=chunks or {}, optimistic=set(optimistic), dummy_tokens=sizes if dummies else ()
+            )
         finally:
-            for d in dummy_reqs:
-                self.dm.free_resources(d)
-                if self.drafter.checker is not None:
-                    self.drafter.checker.forget(d.py_request_id)
-        if gen_reqs:
+            self.verifier.accept_cap = None
+        if res.drafted:
             self.generation_steps += 1
-        self.accepted_total += sum(accepted.values())
-        self.drafted_total += sum(drafted.values())
-        return StepResult(accepted, drafted, drafts_out)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_total / max(self.drafted_total, 1)
+        self.accepted_total += sum(res.accepted.values())
+        self.drafted_total += sum(res.drafted.values())
+        return res

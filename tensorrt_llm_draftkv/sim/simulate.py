@@ -16,10 +16,11 @@ from functools import partial
 
 import torch
 
-from ..config import KvCacheConfig, LayerGroupConfig
+from ..config import KVPoolConfig, LayerGroupConfig
 from ..manager import DraftKVCacheManagerV2, KVCacheManagerV2
 from ..manager.budget import group_pages_per_request
-from ..manager.mirror_sizing import MirrorSizing
+from ..manager import rules
+from ..manager.rules import MirrorSizing
 from .disagg import run_disaggregated
 from .drafting import build_speculator
 from .engine import Executor, RunStats
@@ -74,7 +75,12 @@ def target_pages_per_request(setup: SimSetup) -> int:
 
 def draft_pages_per_request(setup: SimSetup) -> int:
     """What the estimator charges a request in the draft pool under the fix."""
-    trail = setup.tokens_per_block if (setup.trail_page and setup.drafter.keeps_trail_page()) else 0
+    trail = rules.draft_slot_trail_tokens(
+        rules.MirrorPolicy(setup.drafter),
+        tokens_per_block=setup.tokens_per_block,
+        any_windowed_group=True,  # the simulator's draft pool is one windowed group
+        trail_page=setup.trail_page,
+    )
     return group_pages_per_request(
         setup.draft_window,
         setup.tokens_per_block,
@@ -97,7 +103,7 @@ def build_executor(
 ) -> Executor:
     """`sizing=None` builds the target-only reference (no draft pool, no drafter)."""
     device = setup.device
-    target_cfg = KvCacheConfig(
+    target_cfg = KVPoolConfig(
         (LayerGroupConfig(1, window=setup.target_window),),
         pages_per_group=(setup.pool_requests * target_pages_per_request(setup),),
         tokens_per_block=setup.tokens_per_block,
@@ -121,7 +127,7 @@ def build_executor(
     )
     draft = speculator = None
     if sizing is not None:
-        draft_cfg = KvCacheConfig(
+        draft_cfg = KVPoolConfig(
             # One drafter layer per draft offset (see speculative/drafter.py).
             (LayerGroupConfig(setup.max_draft_len, window=setup.draft_window),),
             pages_per_group=(setup.pool_requests * draft_pages_per_request(setup),),

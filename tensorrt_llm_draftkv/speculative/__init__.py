@@ -1,17 +1,13 @@
 """The DFlash drafter's side of the draft pool: slots, their bases, and each step's addressing.
 
-``DFlashSpecMetadata`` keeps the slots and prepares every step; ``slot_rules``
-holds the pure rules for where a slot starts.
+``slot_rules`` holds the pure rules for where a slot starts, ``slot_table`` the
+slots themselves, ``addressing`` where each row reads and writes, and
+``DFlashSpecMetadata`` drives them step by step for the executor.
 """
-from .dflash_metadata import (
-    ContextStorePlan,
-    DFlashSpecMetadata,
-    NoFreeSlotError,
-    Row,
-    SlotSnapshot,
-    required_extra_kv_tokens,
-)
-from .slot_rules import Seeding, SlotStart, context_store_start, generation_seed, page_aligned_seed
+from .addressing import ContextStorePlan, Row, required_extra_kv_tokens
+from .dflash_metadata import DFlashSpecMetadata
+from .slot_rules import Seeding, SlotStart, StartRules, context_store_start, generation_seed, page_aligned_seed
+from .slot_table import NoFreeSlotError, SlotSnapshot, SlotTable
 
 __all__ = [
     "ContextStorePlan",
@@ -21,6 +17,8 @@ __all__ = [
     "Seeding",
     "SlotSnapshot",
     "SlotStart",
+    "SlotTable",
+    "StartRules",
     "context_store_start",
     "generation_seed",
     "page_aligned_seed",

@@ -18,6 +18,7 @@ Nothing here touches a tensor or a manager; the metadata calls these rules.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import NamedTuple
 
@@ -152,6 +153,44 @@ def context_store_start(
     return SlotStart(s, _ceil_div(s, tokens_per_block), start - s)
 
 
+@dataclasses.dataclass(frozen=True)
+class StartRules:
+    """The start rules above bound to one step's pool: ``generation(p)`` and ``context(start)``.
+
+    ``store_limit`` is the ``max_ctx`` both rules clamp to (slot positions, tokens).
+    """
+
+    tokens_per_block: int
+    store_limit: int
+    paired_pool: bool
+    page_aligned: bool
+    private_arena: bool
+    rebased_view: bool
+    seeding: Seeding
+
+    def generation(self, position: int) -> SlotStart:
+        """:func:`generation_seed` of a row at absolute position ``position``."""
+        return generation_seed(
+            position,
+            tokens_per_block=self.tokens_per_block,
+            max_ctx=self.store_limit,
+            page_aligned=self.page_aligned,
+            private_arena=self.private_arena,
+            seeding=self.seeding,
+        )
+
+    def context(self, start: int) -> SlotStart:
+        """:func:`context_store_start` of a chunk at absolute position ``start``."""
+        return context_store_start(
+            start,
+            tokens_per_block=self.tokens_per_block,
+            max_ctx=self.store_limit,
+            paired_pool=self.paired_pool,
+            rebased_view=self.rebased_view,
+            private_arena=self.private_arena,
+            seeding=self.seeding,
+        )
+
 def rebased_view(ctx_len: int, base_pages: int, tokens_per_block: int) -> tuple[int, int]:
     """``(first ordinal, context length)`` a read sees: ``row[b:]`` and ``max(L - b*P, 0)``."""
     return base_pages, max(ctx_len - base_pages * tokens_per_block, 0)
@@ -169,7 +208,3 @@ def read_window_start(read_len: int, block_size: int, window: int | None) -> int
         return 0
     return max(0, read_len + block_size - window)
 
-
-def store_ordinal(slot_position: int, tokens_per_block: int) -> tuple[int, int]:
-    """Ordinal of the unrebased row and the offset inside its page for a stored token."""
-    return slot_position // tokens_per_block, slot_position % tokens_per_block

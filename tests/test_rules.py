@@ -1,4 +1,4 @@
-"""The pure mirror-sizing rules (manager/mirror_sizing.py), one rule at a time.
+"""The pure mirror-sizing rules (manager/rules.py), one rule at a time.
 
 These pin the rule tables of DESIGN.md §3 "Mirror sizing" without a pool: which
 view a mirror reads, what a context chunk asks for, which history goes with it,
@@ -12,8 +12,8 @@ import itertools
 import pytest
 
 from tensorrt_llm_draftkv import SpeculativeDecodingMode as Mode
-from tensorrt_llm_draftkv.manager import mirror_sizing as rules
-from tensorrt_llm_draftkv.manager.mirror_sizing import MirrorPolicy, MirrorSizing
+from tensorrt_llm_draftkv.manager import rules
+from tensorrt_llm_draftkv.manager.rules import MirrorPolicy, MirrorSizing
 
 ALL_MODES = list(Mode)
 EXTERNAL = {Mode.PARD, Mode.DFLASH, Mode.DSPARK, Mode.DRAFT_TARGET_ONE_MODEL}

@@ -1,0 +1,202 @@
+"""The sizing rules, each written once, as small pure functions.
+
+The step headroom (what a context chunk or a generation step puts above
+history), the draft mirror's view, capacity and history under the `history`
+rules (the fix, default) and the `legacy` rules (pre-fix, kept selectable to
+reproduce the failures side by side), and the trail page. The managers, the
+estimators, admission and the planner all ask these. Every position is an
+absolute token position; capacities and histories are token counts from 0.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from ..config import SpeculativeDecodingMode
+from ..request import ContextView
+
+
+class MirrorSizing(enum.Enum):
+    HISTORY = "history"
+    LEGACY = "legacy"
+
+    @classmethod
+    def parse(cls, value: "str | MirrorSizing") -> "MirrorSizing":
+        if isinstance(value, MirrorSizing):
+            return value
+        try:
+            return cls(value.lower())
+        except ValueError:
+            raise ValueError(f"unknown mirror sizing {value!r}; use 'history' or 'legacy'") from None
+
+
+@dataclass(frozen=True)
+class MirrorPolicy:
+    """What the draft manager knows about itself when it sizes a mirror."""
+
+    mode: SpeculativeDecodingMode
+    sizing: MirrorSizing = MirrorSizing.HISTORY
+    joint_kv_cache_reuse: bool = False
+
+
+def mirror_uses_draft_view(policy: MirrorPolicy) -> bool:
+    """Does the draft mirror read the request's draft view (else the target view)?
+
+    The fix: only an external drafter (PARD, DFlash, DSpark, draft-target one-model)
+    reads the target view, because no separate engine advances its draft view.
+    Legacy: the draft view for every drafter unless the pool joins the target's
+    block reuse.
+    """
+    if policy.sizing is MirrorSizing.LEGACY:
+        return not policy.joint_kv_cache_reuse
+    return not policy.mode.is_external_drafter()
+
+
+def generation_headroom(draft_tokens: int, extra_tokens: int) -> int:
+    """Tokens a generation step puts above history: the new token, the draft slots, the extra tokens."""
+    return 1 + draft_tokens + extra_tokens
+
+
+def context_headroom(chunk: int, is_last_chunk: bool, draft_tokens: int, extra_tokens: int) -> int:
+    """Tokens a context chunk puts above its start: the chunk and the extra tokens, drafts on the last chunk."""
+    return chunk + extra_tokens + (draft_tokens if is_last_chunk else 0)
+
+
+def step_headroom(chunk: int, draft_tokens: int = 0, extra_tokens: int = 0) -> int:
+    """The most tokens any step puts above history (a last chunk, or a generation step)."""
+    if chunk < 0 or draft_tokens < 0 or extra_tokens < 0:
+        raise ValueError(
+            f"chunk ({chunk}), max_draft_len ({draft_tokens}) and num_extra_kv_tokens "
+            f"({extra_tokens}) must be >= 0"
+        )
+    return max(context_headroom(chunk, True, draft_tokens, extra_tokens), generation_headroom(draft_tokens, extra_tokens))
+
+
+def context_capacity(start: int, chunk: int, is_last_chunk: bool, draft_tokens: int, extra_tokens: int) -> int:
+    """Tokens the mirror must hold for the chunk `[start, start + chunk)`: extra always, drafts on the last."""
+    return start + context_headroom(chunk, is_last_chunk, draft_tokens, extra_tokens)
+
+
+def context_history(policy: MirrorPolicy, *, start: int, mirror_covers_start: bool) -> int | None:
+    """History to pass with a context resize, or None for the old `resize(capacity)`.
+
+    `mirror_covers_start`: the mirror already holds `[0, start)` (it computed the
+    earlier chunks, or the pool holds them through joint block reuse).
+    """
+    if policy.sizing is MirrorSizing.LEGACY or mirror_uses_draft_view(policy):
+        return None
+    if mirror_covers_start or start == 0:
+        return start
+    # First seen past 0: DFlash/DSpark store the chunk at its target position over
+    # a base hiding the prefix, so the prefix is history they never read.
+    if policy.mode.keeps_trail_page():
+        return start
+    return None
+
+
+def disagg_gen_init_sizing(
+    policy: MirrorPolicy, *, prompt_len: int, generation_headroom: int, draft_tokens: int, extra_tokens: int
+) -> tuple[int, int | None]:
+    """(capacity, history) of a generation worker's new mirror.
+
+    The fix: absolute coordinates, the transferred prompt is history (its drafter
+    K/V does not exist here), so a window trims the mirror to its tail. Legacy:
+    presented like a whole-prompt context chunk from position 0.
+    """
+    if policy.sizing is MirrorSizing.LEGACY:
+        return context_capacity(0, prompt_len, True, draft_tokens, extra_tokens), None
+    return prompt_len + generation_headroom, prompt_len
+
+
+def dummy_history(policy: MirrorPolicy, history_hint: int | None) -> int | None:
+    """The fix gives a warmup dummy's mirror the target's history hint; legacy drops it."""
+    return None if policy.sizing is MirrorSizing.LEGACY else history_hint
+
+
+def draft_slot_trail_tokens(
+    policy: MirrorPolicy, *, tokens_per_block: int, any_windowed_group: bool, trail_page: bool = True
+) -> int:
+    """Tokens kept below every window of a DFlash/DSpark draft pool (one page), else 0.
+
+    A drafter slot seeded at the first position of the page holding its request's
+    position trails the request by up to P - 1 tokens; the extra page keeps the far
+    edge of its window on pages the request holds.
+    """
+    if not trail_page or policy.sizing is MirrorSizing.LEGACY:
+        return 0
+    if not policy.mode.keeps_trail_page() or not any_windowed_group:
+        return 0
+    return tokens_per_block
+
+
+@dataclass(frozen=True)
+class StepSizing:
+    """One manager's sizing, one function per phase, from the rules above.
+
+    `policy=None` is a target cache's own sizing; a `MirrorPolicy` is a draft
+    mirror's. Every answer is `(capacity, history)` in absolute tokens, history
+    None meaning "keep the cache's" (the old `resize(capacity)`).
+    """
+
+    max_draft_len: int = 0
+    num_extra_kv_tokens: int = 0
+    policy: MirrorPolicy | None = None
+
+    @property
+    def reads_draft_view(self) -> bool:
+        return self.policy is not None and mirror_uses_draft_view(self.policy)
+
+    @property
+    def generation_headroom(self) -> int:
+        return generation_headroom(self.max_draft_len, self.num_extra_kv_tokens)
+
+    def view(self, req) -> ContextView:
+        """The (position, chunk) the cache is sized from.
+
+        A mirror that reads the draft view reads it through the request's context
+        properties: what the open `request_context` makes the request present.
+        Everything else reads the target view, whatever `use_draft_model` says.
+        """
+        if self.reads_draft_view:
+            return ContextView(req.context_current_position, req.context_chunk_size)
+        return req.target_view
+
+    def context(self, req, cache) -> tuple[int, int | None]:
+        """The current context chunk `[start, start + chunk)` of the view."""
+        view = self.view(req)
+        is_last = view.position + view.chunk_size >= req.prompt_len
+        capacity = context_capacity(view.position, view.chunk_size, is_last, self.max_draft_len, self.num_extra_kv_tokens)
+        if self.policy is None:
+            return capacity, None
+        # Covers [0, start): it computed the earlier chunks, or joint reuse holds them.
+        covers = self.policy.joint_kv_cache_reuse or (cache.capacity >= view.position and cache.num_blocks > 0)
+        history = context_history(self.policy, start=view.position, mirror_covers_start=covers)
+        if history is not None:
+            history = max(history, cache.history_length)
+        return max(capacity, cache.history_length), history
+
+    def generation(self, req, cache) -> tuple[int, int | None]:
+        """A generation step: the new token, drafts and extra tokens above `tokens - 1`."""
+        return req.max_beam_num_tokens - 1 + self.generation_headroom, None
+
+    def disagg_gen_init(self, req, cache) -> tuple[int, int | None]:
+        """A generation worker's new request (see `disagg_gen_init_sizing`)."""
+        if self.policy is None:
+            return req.prompt_len + self.generation_headroom, req.prompt_len
+        return disagg_gen_init_sizing(
+            self.policy,
+            prompt_len=req.prompt_len,
+            generation_headroom=self.generation_headroom,
+            draft_tokens=self.max_draft_len,
+            extra_tokens=self.num_extra_kv_tokens,
+        )
+
+    @property
+    def disagg_gen_init_phase(self) -> str:
+        """The phase resize errors name: legacy presents the request as a whole-prompt context chunk."""
+        legacy = self.policy is not None and self.policy.sizing is MirrorSizing.LEGACY
+        return "context" if legacy else "generation"
+
+    def dummy_history(self, history_hint: int | None) -> int | None:
+        """A warmup dummy's history: the hint (legacy mirrors drop it)."""
+        return history_hint if self.policy is None else dummy_history(self.policy, history_hint)

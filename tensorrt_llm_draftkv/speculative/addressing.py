@@ -1,0 +1,320 @@
+"""Where each row of a DFlash step reads and writes: block tables, context stores, generation prep.
+
+Coordinates. Tables are UNREBASED page tables of the rows' draft mirrors
+(ordinal -> page, -1 = unbacked). A token at slot position ``s`` (tokens) is
+stored on ordinal ``s // P`` of its row at in-page offset ``s % P``; a read
+goes through the row rebased past the slot's base, ``row[b:]`` (pages), with
+context length ``L - b*P`` (tokens). Slot positions are absolute positions
+minus the slot's host-side ``offset``.
+
+The functions here only compute addresses and move slots' lengths and bases
+through the :class:`~.slot_table.SlotTable`; which rows a step has and which
+slot each holds is the metadata's business.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from ..kernels import (
+    BlockTables,
+    PagedLatentPrep,
+    decode_draft_block_table,
+    prepare_paged_latent,
+    rebase_block_table,
+)
+from ..request import LlmRequest
+from .slot_table import SlotTable
+
+
+@dataclasses.dataclass
+class Row:
+    """One row of this step: its request, slot, kind, and whether it proposes drafts."""
+
+    request: LlmRequest
+    slot: int
+    kind: str  # "context" | "generation" | "dummy"
+    proposing: bool
+
+    @property
+    def request_id(self) -> int:
+        return self.request.py_request_id
+
+
+@dataclasses.dataclass
+class ContextStorePlan:
+    """Where a context chunk goes: slot positions and, per pool, page and in-page offset.
+
+    ``pages[g][i] == -1`` marks a token that is not stored (past ``max_ctx`` or
+    past the table); ``positions`` are slot positions (the RoPE positions).
+    """
+
+    row: int
+    positions: torch.Tensor  # int64 [n] slot positions
+    pages: list[torch.Tensor]  # per pool, int32 [n]
+    offsets: torch.Tensor  # int32 [n], -1 = not stored
+
+
+#: ``check_room(row, new_ctx_len)``: raises if the row's block would not fit its mirror.
+RoomCheck = Callable[[Row, int], None]
+
+
+def required_extra_kv_tokens(block_size: int) -> int:
+    """``num_extra_kv_tokens`` a draft manager needs so the block fits above all accepted tokens."""
+    return block_size
+
+
+def check_block_room(draft_manager: Any, request_id: int, new_ctx: int, block_size: int) -> None:
+    """The block ``[new_ctx, new_ctx + block_size)`` (slot positions) must lie inside the request's mirror."""
+    if draft_manager is None:
+        return
+    cap = draft_manager.get_cache(request_id).capacity
+    if new_ctx + block_size > cap:
+        raise ValueError(
+            f"DFlash drafter: request {request_id}'s block [{new_ctx}, {new_ctx + block_size}) would be "
+            f"appended past its draft mirror's capacity of {cap} tokens; build the draft manager with "
+            f"max_draft_len={block_size - 1} and num_extra_kv_tokens>="
+            f"{required_extra_kv_tokens(block_size)}"
+        )
+
+
+def check_pool(draft_manager: Any, *, tokens_per_block: int, rebased_view: bool) -> None:
+    """Refuse a pool a slot cannot address safely (ValueError naming the numbers).
+
+    A worker that reads the unrebased table (``rebased_view=False``) stores a
+    tail after a prefix it did not compute at slot position 0; its mirror,
+    sized for the tail's absolute position, has released those low pages on a
+    windowed pool that does not join the target's block reuse, so the stores
+    would land on other requests' pages.
+    """
+    if draft_manager.tokens_per_block != tokens_per_block:
+        raise ValueError(
+            f"DFlash drafter: metadata built for {tokens_per_block}-token pages, draft manager uses "
+            f"{draft_manager.tokens_per_block}"
+        )
+    windows = tuple(g.window for g in draft_manager.config.layer_groups)
+    paired = bool(getattr(draft_manager, "joint_kv_cache_reuse", False))
+    if not rebased_view and not paired and any(w is not None for w in windows):
+        raise ValueError(
+            "DFlash drafter: a worker that reads the unrebased table (_ctx_reads_rebased_view=False) "
+            f"cannot use a windowed draft pool (windows {list(windows)}, {tokens_per_block}-token "
+            "pages) without joint_kv_cache_reuse: a context tail after a prefix it did not compute is "
+            "stored at slot position 0, on pages the mirror has released. Read the rebased view, join "
+            "the target's block reuse, or use a full-attention draft pool."
+        )
+
+
+# --------------------------------------------------------------------------- block tables
+def decode_tables(
+    draft_manager: Any,
+    ids: list[int],
+    slots: list[int],
+    *,
+    backend: str,
+    fused: bool,
+    pages_per_slot: int,
+    device: torch.device,
+) -> list[BlockTables]:
+    """Unrebased page tables ``[B, M]`` and extents, one per pool (layer group).
+
+    ``draft_manager=None`` (private arena): slot ``s`` owns pages
+    ``[s * pages_per_slot, (s + 1) * pages_per_slot)``, every row counts full.
+    """
+    impl = None if fused else "reference"
+    if draft_manager is None:
+        pps = pages_per_slot
+        slot_t = torch.tensor(slots, dtype=torch.int64, device=device)
+        tables = (slot_t[:, None] * pps + torch.arange(pps, device=device)[None, :]).to(torch.int32)
+        extents = torch.full((len(slots),), pps, dtype=torch.int64, device=device)
+        return [BlockTables(tables, extents)]
+    dm = draft_manager
+    offsets = dm.get_block_offsets(ids, backend).to(device)
+    return [
+        decode_draft_block_table(offsets, g, len(ids), dm.config.kv_factor, backend, impl=impl)
+        for g in range(dm.num_pools)
+    ]
+
+
+# --------------------------------------------------------------------------- context stores
+def plan_context_store(
+    slots: SlotTable,
+    tables: Sequence[BlockTables],
+    index: int,
+    row: Row,
+    positions: torch.Tensor | Sequence[int],
+    check_room: RoomCheck,
+) -> ContextStorePlan:
+    """Store targets of row ``index``'s context chunk, and advance its slot past it.
+
+    ``positions`` are absolute target positions, contiguous from where the slot
+    continues (``L + offset``). Tokens at slot positions ``>= store_limit`` are
+    not stored (a private arena clamps; a shared pool raises the base instead).
+    """
+    rid, slot = row.request_id, row.slot
+    pos = torch.as_tensor(positions, dtype=torch.int64).reshape(-1).cpu()
+    n = pos.numel()
+    L, offset = slots.host_len(slot)
+    expected = L + offset
+    if n and (int(pos[0]) != expected or not torch.equal(pos, torch.arange(expected, expected + n))):
+        raise ValueError(
+            f"DFlash drafter: request {rid}'s context store must continue its slot at absolute position "
+            f"{expected} with contiguous positions, got [{int(pos[0])}, ..., {int(pos[-1])}] ({n} tokens)"
+        )
+    P = slots.tokens_per_block
+    limit = slots.store_limit()
+    new_L = min(L + n, limit)
+    if row.proposing:
+        check_room(row, new_L)
+    slot_pos = torch.arange(L, L + n, dtype=torch.int64, device=slots.device)
+    keep = slot_pos < limit
+    pages = []
+    for bt in tables:
+        M = bt.tables.shape[1]
+        ordinal = slot_pos // P
+        inside = keep & (ordinal < M)
+        pg = bt.tables[index].long().gather(0, torch.where(inside, ordinal, 0)) if M else ordinal
+        pages.append(torch.where(inside, pg, -1).to(torch.int32))
+    offsets = torch.where(keep, slot_pos % P, -1).to(torch.int32)
+    slots.commit_store(slot, new_L, n)
+    return ContextStorePlan(index, slot_pos, pages, offsets)
+
+
+# --------------------------------------------------------------------------- generation step
+def generation_counts(num_new: Sequence[int] | Mapping[int, int] | None, request_ids: list[int]) -> list[int]:
+    """Accepted tokens per row (row order) from a sequence, a mapping request id -> count, or None."""
+    if num_new is None:
+        return [0] * len(request_ids)
+    if isinstance(num_new, Mapping):
+        unknown = [rid for rid in num_new if rid not in set(request_ids)]
+        if unknown:
+            raise KeyError(
+                f"DFlash drafter: requests {unknown} are not rows of this step (rows: {request_ids[:16]})"
+            )
+        return [int(num_new.get(rid, 0)) for rid in request_ids]
+    counts = [int(n) for n in num_new]
+    if len(counts) != len(request_ids):
+        raise ValueError(f"DFlash drafter: {len(counts)} counts for {len(request_ids)} rows")
+    return counts
+
+
+def _new_lengths(
+    slots: SlotTable, rows: Sequence[Row], counts: list[int], max_new: int, check_room: RoomCheck
+) -> dict[int, int]:
+    """Slot -> its ``ctx_len`` after the step (checked: only generation rows commit, room for the block)."""
+    new_host: dict[int, int] = {}
+    for row, n in zip(rows, counts):
+        if n and row.kind != "generation":
+            raise ValueError(
+                f"DFlash drafter: request {row.request_id} is a {row.kind} row; only generation rows "
+                f"commit accepted tokens (got {n})"
+            )
+        if not 0 <= n <= max_new:
+            raise ValueError(f"DFlash drafter: request {row.request_id} commits {n} tokens; allowed 0..{max_new}")
+        new = min(slots.host_len(row.slot)[0] + n, slots.store_limit())
+        if row.slot in new_host and new_host[row.slot] != new:
+            raise ValueError(f"DFlash drafter: rows sharing slot {row.slot} disagree on its new length")
+        new_host[row.slot] = new
+        if row.proposing:
+            check_room(row, new)
+    return new_host
+
+
+def eager_prep(
+    bt: BlockTables,
+    slot_ids: torch.Tensor,
+    ctx_len: torch.Tensor,
+    base_pages: torch.Tensor,
+    n_t: torch.Tensor,
+    *,
+    tokens_per_block: int,
+    block_size: int,
+    max_new: int,
+    max_ctx: int,
+) -> PagedLatentPrep:
+    """The same preparation as the fused kernel, composed from the reference rebase and plain torch.
+
+    ``ctx_len`` / ``base_pages`` are per slot (tokens / pages), ``n_t`` per row;
+    store targets are ordinals of the unrebased table, reads the rebased rows.
+    """
+    P, bs = tokens_per_block, block_size
+    tables, extents = bt.tables, bt.extents
+    B, M = tables.shape
+    dev = tables.device
+    base = base_pages.index_select(0, slot_ids)
+    L = ctx_len.index_select(0, slot_ids)
+    rb = rebase_block_table(tables, extents, base, impl="reference")
+    new_ctx = torch.clamp(L + n_t, max=max_ctx)
+    read_lens = torch.minimum((new_ctx - base * P).clamp_min(0), rb.extents * P)
+    query_pos = new_ctx[:, None] + torch.arange(bs, dtype=torch.int64, device=dev)[None, :]
+    i = torch.arange(max_new, dtype=torch.int64, device=dev)[None, :]
+    pos = L[:, None] + i
+    valid = (i < n_t[:, None]) & (pos < max_ctx) & (pos >= 0)
+    ordinal = torch.where(valid, pos, 0) // P
+    in_table = valid & (ordinal < M)
+    pages = tables.long().gather(1, torch.where(in_table, ordinal, 0)) if M else ordinal
+    return PagedLatentPrep(
+        read_rows=rb.rows,
+        read_lens=read_lens,
+        query_pos=query_pos,
+        store_pages=torch.where(in_table, pages, -1).to(torch.int32),
+        store_offsets=torch.where(valid, pos % P, -1).to(torch.int32),
+        new_ctx_len=new_ctx,
+        shift=rb.shift,
+    )
+
+
+def prepare_generation(
+    slots: SlotTable,
+    rows: Sequence[Row],
+    tables: Sequence[BlockTables],
+    slot_ids: torch.Tensor,
+    counts: list[int],
+    *,
+    block_size: int,
+    max_new: int,
+    fused: bool,
+    check_room: RoomCheck,
+) -> list[PagedLatentPrep]:
+    """One :class:`PagedLatentPrep` per pool; advances every row's slot to ``min(L + n, limit)``.
+
+    Bases are raised before the launch, so the read is clamped with the new
+    length. Fused: one ``prepare_paged_latent`` launch per pool; eager:
+    :func:`eager_prep`.
+    """
+    new_host = _new_lengths(slots, rows, counts, max_new, check_room)
+    consumed = {row.slot: n for row, n in zip(rows, counts)}
+    for slot, new in new_host.items():
+        slots.raise_base(slot, new)
+    n_t = torch.tensor(counts, dtype=torch.int64, device=slots.device)
+    kw = dict(block_size=block_size, tokens_per_block=slots.tokens_per_block, max_new=max_new)
+    preps = []
+    for bt in tables:
+        if fused:
+            prep = prepare_paged_latent(
+                bt.tables, bt.extents, slot_ids, slots.ctx_len, slots.base_pages, n_t,
+                max_ctx=slots.store_limit(), **kw,
+            )
+        else:
+            prep = eager_prep(bt, slot_ids, slots.ctx_len, slots.base_pages, n_t, max_ctx=slots.store_limit(), **kw)
+        preps.append(prep)
+    if rows:
+        slots.ctx_len.index_copy_(0, slot_ids, preps[0].new_ctx_len)
+    for slot, new in new_host.items():
+        slots.advance_host(slot, new, consumed[slot])
+    return preps
+
+
+__all__ = [
+    "ContextStorePlan",
+    "Row",
+    "check_block_room",
+    "check_pool",
+    "decode_tables",
+    "eager_prep",
+    "generation_counts",
+    "plan_context_store",
+    "prepare_generation",
+    "required_extra_kv_tokens",
+]

@@ -1,0 +1,51 @@
+"""The drop-in library stands apart from its simulator."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_importing_the_library_loads_no_simulation_module():
+    code = (
+        "import sys, tensorrt_llm_draftkv, tensorrt_llm_draftkv.kernels, tensorrt_llm_draftkv.manager, "
+        "tensorrt_llm_draftkv.speculative, tensorrt_llm_draftkv.runtime\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('tensorrt_llm_draftkv'))\n"
+        "print('\\n'.join(loaded))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert "tensorrt_llm_draftkv.manager.kv_cache_manager" in out  # the check can see what loaded
+    assert [m for m in out if m.startswith("tensorrt_llm_draftkv.sim")] == []
+
+
+def test_the_library_sets_no_process_environment_variable():
+    code = (
+        "import os; before = dict(os.environ)\n"
+        "import tensorrt_llm_draftkv, tensorrt_llm_draftkv.kernels\n"
+        "print(sorted(set(os.environ.items()) ^ set(before.items())))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]"
+
+
+def test_the_library_never_imports_the_simulator_in_its_source():
+    import ast
+    from pathlib import Path
+
+    import tensorrt_llm_draftkv
+
+    root = Path(tensorrt_llm_draftkv.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if rel.parts[0] == "sim" or rel.name == "__main__.py":  # the CLI shim imports sim lazily, by design
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [("." * node.level) + (node.module or "")]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if any(n.lstrip(".").split(".")[0] == "sim" or n.startswith("tensorrt_llm_draftkv.sim") for n in names):
+                offenders.append(f"{rel}: {names}")
+    assert offenders == []
