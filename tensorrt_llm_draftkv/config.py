@@ -7,7 +7,31 @@ from dataclasses import dataclass, field
 import torch
 
 
-class SpeculativeDecodingMode(enum.Enum):
+class ParsableEnum(enum.Enum):
+    """An enum that also accepts its members' values or names as strings (any case, '-' for '_')."""
+
+    @classmethod
+    def parse(cls, text):
+        """A member from itself, its value or its name; ValueError listing the known values otherwise."""
+        if isinstance(text, cls):
+            return text
+        if not isinstance(text, str):
+            raise TypeError(f"a {cls._kind()} is a {cls.__name__} or a string, got {type(text).__name__}")
+        key = text.strip().lower().replace("-", "_")
+        for member in cls:
+            if member.value == key or member.name.lower() == key:
+                return member
+        values = [m.value for m in cls]
+        hint = f" (use {' or '.join(repr(v) for v in values)})" if len(values) <= 3 else ""
+        raise ValueError(f"unknown {cls._kind()} {text!r}; known: {', '.join(values)}{hint}")
+
+    @classmethod
+    def _kind(cls) -> str:
+        """What error messages call a member ("speculative decoding mode", ...)."""
+        return cls.__name__
+
+
+class SpeculativeDecodingMode(ParsableEnum):
     """Which drafter runs beside the target (names as upstream)."""
 
     MTP = "mtp"
@@ -27,20 +51,8 @@ class SpeculativeDecodingMode(enum.Enum):
         return self in (SpeculativeDecodingMode.DFLASH, SpeculativeDecodingMode.DSPARK)
 
     @classmethod
-    def parse(cls, text: "str | SpeculativeDecodingMode") -> "SpeculativeDecodingMode":
-        """A mode from its value or name (any case, '-' for '_'); a mode passes through."""
-        if isinstance(text, cls):
-            return text
-        if not isinstance(text, str):
-            raise TypeError(
-                f"a speculative decoding mode is a SpeculativeDecodingMode or a string, got {type(text).__name__}"
-            )
-        key = text.strip().lower().replace("-", "_")
-        for mode in cls:
-            if mode.value == key or mode.name.lower() == key:
-                return mode
-        known = ", ".join(m.value for m in cls)
-        raise ValueError(f"unknown speculative decoding mode {text!r}; known: {known}")
+    def _kind(cls) -> str:
+        return "speculative decoding mode"
 
 
 _EXTERNAL_DRAFTERS = frozenset(

@@ -1,5 +1,5 @@
 """Bad input raises an explicit error that names the offending numbers / request id,
-and leaves every cache and every pool exactly as it was (DESIGN §3 invariant 4)."""
+and leaves every cache and every pool exactly as it was (invariant 4 of docs/design.md)."""
 from __future__ import annotations
 
 import pytest

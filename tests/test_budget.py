@@ -21,7 +21,7 @@ term ranges over — in particular at the worst one:
   steps after the release (a step that accepts k drafts jumps k + 1 residues and
   may skip the worst one). The sweep inserts such a run of rejected drafts.
 * context term, H = chunk + drafts + extra: every chunk carries the extra
-  tokens, only the LAST chunk the drafts (DESIGN §3), so a non-last chunk puts
+  tokens, only the LAST chunk the drafts (docs/design.md), so a non-last chunk puts
   chunk + extra above its start. With drafts the term is reached only by a
   full-size last chunk starting at the worst alignment; without drafts any full
   chunk at the worst alignment reaches it. With fixed chunks of c tokens the

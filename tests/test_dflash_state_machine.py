@@ -4,7 +4,7 @@ Rules: chunked prefill (from position 0, or a tail after a prefix this worker
 did not compute), disaggregated generation init, generation steps with random
 acceptance, rejected optimistic commits rolled back, warmup dummies, slot
 eviction and reseed, completion, and the explicit errors. After every step the
-four invariants of DESIGN.md §3 hold:
+four invariants of docs/design.md hold:
 
 1. every entry the drafter read or wrote is a page its own request holds;
 2. every slot read exactly what it stored;

@@ -1,6 +1,6 @@
 """The estimators charge the trail page: per request, in the quota conversion and in the budget split.
 
-The figure to reproduce (DESIGN.md §3): a drafter of 5 layers, 4 KV heads x 128,
+The figure to reproduce (docs/design.md, "Trail page"): a drafter of 5 layers, 4 KV heads x 128,
 bf16, 32-token pages, a 4,096-token window: the trail page costs 320 KiB per
 request, 0.78 % of the window.
 """

@@ -1,4 +1,4 @@
-"""KVCache.resize and friends: every rule of DESIGN §3 "Core cache".
+"""KVCache.resize and friends: every rule of docs/design.md "Core cache".
 
 Expected rows are derived by brute force over positions: after a resize to
 (capacity C, history h), ordinal i of a group with window W and `sinks` sink

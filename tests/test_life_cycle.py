@@ -1,6 +1,6 @@
 """Stale-range boundaries of a life cycle, pinned against a brute-force definition.
 
-Brute force (DESIGN §2, in positions, not formulas): once `h` tokens are history
+Brute force (in positions, not formulas): once `h` tokens are history
 the next query sits at position `h` and attends `[h + 1 - W, h]`. Block ordinal
 `i` covers positions `[i*P, (i+1)*P)`; it is *stale* iff it is not a sink block
 (`i >= sinks`) and none of its positions is attended by this or any later query,
@@ -37,7 +37,7 @@ def as_set(rng: tuple[int, int]) -> set[int]:
 
 
 # (window, sinks, P, history, expected (lo, hi)) — worked out by hand from the
-# DESIGN formula [min(ceil(h/P), sinks), max(that, (h + 1 - W) // P)).
+# The stale-range formula of docs/design.md: [min(ceil(h/P), sinks), max(that, (h + 1 - W) // P)).
 TABLE = [
     # history 0: never anything stale
     (1, 0, 4, 0, (0, 0)),

@@ -1,6 +1,6 @@
 """The pure mirror-sizing rules (manager/rules.py), one rule at a time.
 
-These pin the rule tables of DESIGN.md §3 "Mirror sizing" without a pool: which
+These pin the rule tables of docs/design.md "Mirror sizing" without a pool: which
 view a mirror reads, what a context chunk asks for, which history goes with it,
 what a disaggregated generation-init mirror asks for, the dummy hint, and the
 trail page.

@@ -1,7 +1,7 @@
 """KVCacheManagerV2 (the target side): sizing per phase, dummies, freeing, export.
 
 Expected rows come from a brute-force definition over positions (see
-`backed`); capacities from the sizing rules of the issue/DESIGN:
+`backed`); capacities from the sizing rules of docs/design.md:
 context chunk  capacity = position + chunk + extra (+ drafts on the last chunk)
 generation     capacity = history + 1 + drafts + extra, history = tokens - 1
 disagg init    capacity = prompt + 1 + drafts + extra, history = prompt

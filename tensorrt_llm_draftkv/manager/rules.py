@@ -9,25 +9,19 @@ absolute token position; capacities and histories are token counts from 0.
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
-from ..config import SpeculativeDecodingMode
+from ..config import ParsableEnum, SpeculativeDecodingMode
 from ..request import ContextView
 
 
-class MirrorSizing(enum.Enum):
+class MirrorSizing(ParsableEnum):
     HISTORY = "history"
     LEGACY = "legacy"
 
     @classmethod
-    def parse(cls, value: "str | MirrorSizing") -> "MirrorSizing":
-        if isinstance(value, MirrorSizing):
-            return value
-        try:
-            return cls(value.lower())
-        except ValueError:
-            raise ValueError(f"unknown mirror sizing {value!r}; use 'history' or 'legacy'") from None
+    def _kind(cls) -> str:
+        return "mirror sizing"
 
 
 @dataclass(frozen=True)

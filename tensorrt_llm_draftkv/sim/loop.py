@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from ..config import KvCacheConfig, LayerGroupConfig, SpeculativeDecodingMode
+from ..config import KVPoolConfig, LayerGroupConfig, SpeculativeDecodingMode
 from ..manager import DraftKVCacheManagerV2
 from ..request import ContextView, LlmRequest, LlmRequestState, ScheduledRequests
 from ..speculative import DFlashSpecMetadata, required_extra_kv_tokens
@@ -34,7 +34,7 @@ __all__ = ["DraftLoop", "StepResult"]
 
 def _pool_config(
     windows: tuple, layers_per_group: tuple | None, pages: int | tuple, num_layers: int, **geometry
-) -> KvCacheConfig:
+) -> KVPoolConfig:
     """One layer group per window; ``num_layers`` spread as ``layers_per_group`` says (default: all
     in the first group, one in each other); ``pages`` per group (one count for all, or one each)."""
     if layers_per_group is None:
@@ -44,7 +44,7 @@ def _pool_config(
         raise ValueError(
             f"layers_per_group {layers_per_group} must cover {num_layers} layers in {len(windows)} groups"
         )
-    return KvCacheConfig(
+    return KVPoolConfig(
         layer_groups=tuple(LayerGroupConfig(n, window=w) for n, w in zip(layers_per_group, windows)),
         pages_per_group=(pages,) * len(windows) if isinstance(pages, int) else tuple(pages),
         **geometry,

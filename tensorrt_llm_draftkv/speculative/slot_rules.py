@@ -1,7 +1,7 @@
 """Where a DFlash drafter slot starts, as small pure functions.
 
 A *slot* is the drafter's per-request context state ``(ctx_len L, base_pages b)``
-(DESIGN.md §3 "DFlash slots"). The slot holds context at slot positions
+(docs/design.md, "DFlash slots"). The slot holds context at slot positions
 ``[b*P, L)``; a token stored at slot position ``s`` lands on ordinal ``s // P``
 of the request's (unrebased) block-table row, reads go through the row rebased
 past the base, ``row[b:]``, with context length ``L - b*P``.
@@ -19,11 +19,12 @@ Nothing here touches a tensor or a manager; the metadata calls these rules.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import NamedTuple
 
+from ..config import ParsableEnum
 
-class Seeding(enum.Enum):
+
+class Seeding(ParsableEnum):
     """How a fresh slot is placed.
 
     ``BASE`` (the fix, default): absolute positions, an empty context is a base.
@@ -35,13 +36,8 @@ class Seeding(enum.Enum):
     SLOT_LOCAL = "slot_local"
 
     @classmethod
-    def parse(cls, value: "str | Seeding") -> "Seeding":
-        if isinstance(value, Seeding):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            raise ValueError(f"unknown DFlash seeding {value!r}; use 'base' or 'slot_local'") from None
+    def _kind(cls) -> str:
+        return "DFlash seeding"
 
 
 class SlotStart(NamedTuple):
