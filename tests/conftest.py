@@ -8,8 +8,13 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))  # `from support import ...` from every test folder
 
 try:
     from hypothesis import HealthCheck, settings
@@ -31,3 +36,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip_cuda)
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_process(monkeypatch):
+    """One intra-op thread here and in spawned ranks: under `pytest -n 2` on two cores more threads
+    per process oversubscribe the machine and make runs several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    """The kernels' torch reference (fast on CPU), inherited by spawned ranks."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")

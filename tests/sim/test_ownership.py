@@ -22,12 +22,6 @@ import torch
 from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 BIG = 65_536

@@ -36,10 +36,9 @@ from tensorrt_llm_draftkv import (  # noqa: E402
 )
 from tensorrt_llm_draftkv.manager.budget import group_pages_per_request  # noqa: E402
 from tensorrt_llm_draftkv.request import ContextView  # noqa: E402
+from support import ceil_div
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def expected_backed(capacity: int, history: int, kept: int | None, sinks: int, p: int) -> list[int]:

@@ -27,6 +27,7 @@ from tensorrt_llm_draftkv import (
 )
 from tensorrt_llm_draftkv.request import ContextView
 from tensorrt_llm_draftkv.runtime import KVCache
+from support import ceil_div
 
 ALL_MODES = list(Mode)
 EXTERNAL = [Mode.PARD, Mode.DFLASH, Mode.DSPARK, Mode.DRAFT_TARGET_ONE_MODEL]
@@ -47,8 +48,6 @@ def config(windows=(None,), pages=256, p=16, sinks=0) -> KVPoolConfig:
     )
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def state(mgr) -> tuple:

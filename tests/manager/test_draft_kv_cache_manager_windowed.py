@@ -24,6 +24,7 @@ from tensorrt_llm_draftkv import (
     SpeculativeDecodingMode as Mode,
 )
 from tensorrt_llm_draftkv.request import ContextView
+from support import ceil_div
 
 
 def config(window, pages, p, sinks=0) -> KVPoolConfig:
@@ -37,8 +38,6 @@ def config(window, pages, p, sinks=0) -> KVPoolConfig:
     )
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def backed(cache, group=0) -> list[int]:

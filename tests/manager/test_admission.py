@@ -43,10 +43,9 @@ from tensorrt_llm_draftkv.manager.budget import group_pages_per_request, windowe
 from tensorrt_llm_draftkv.manager.rules import MirrorPolicy
 from tensorrt_llm_draftkv.request import ContextView
 from tensorrt_llm_draftkv.runtime import LifeCycle
+from support import ceil_div
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def manager(

@@ -38,12 +38,11 @@ from tensorrt_llm_draftkv.manager.budget import (
 )
 from tensorrt_llm_draftkv.manager.planner import PoolGeometry, format_report, plan_pool, trail_tokens_for
 from tensorrt_llm_draftkv.request import ContextView
+from support import ceil_div
 
 KIB = 1024
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # =============================================================================================

@@ -13,12 +13,6 @@ from tensorrt_llm_draftkv.speculative import DFlashSpecMetadata
 from tensorrt_llm_draftkv.sim import DFlashDrafter, DFlashDrafterConfig, DraftLoop, OwnershipViolation, TokenFeatures, acceptance, phrase_stream
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # --------------------------------------------------------------------------- features

@@ -31,7 +31,10 @@ from tensorrt_llm_draftkv.manager.rules import MirrorSizing
 HISTORY, LEGACY = MirrorSizing.HISTORY, MirrorSizing.LEGACY
 
 # The small geometry and the autouse fixtures (one thread, reference kernels) are shared.
-from executor_support import SMALL, one_thread_per_process, reference_kernels  # noqa: E402,F401
+from support import SMALL
+
+pytestmark = pytest.mark.usefixtures("reference_kernels")  # the kernels' torch reference: fast on CPU
+
 
 
 Key = tuple[int, int]  # (prompt seed, prompt length)

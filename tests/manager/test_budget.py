@@ -70,10 +70,9 @@ from tensorrt_llm_draftkv.manager.budget import (
     step_headroom,
     windowed_pages_per_request,
 )
+from support import ceil_div
 
 
-def ceil_div(a, b):
-    return -(-a // b)
 
 
 # -- brute force ---------------------------------------------------------------------------------------------

@@ -33,13 +33,14 @@ from tensorrt_llm_draftkv.request import ContextView
 from tensorrt_llm_draftkv.runtime import BAD_PAGE_INDEX
 from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
 
-from executor_support import SMALL, one_thread_per_process, reference_kernels  # noqa: F401
+from support import SMALL, truth
+
+pytestmark = pytest.mark.usefixtures("reference_kernels")  # the kernels' torch reference: fast on CPU
+
 
 Mode = SpeculativeDecodingMode
 
 
-def truth(n: int, seed: int = 0) -> list[int]:
-    return phrase_stream(n, vocab_size=64, phrase_len=8, num_phrases=6, seed=seed)
 
 
 def full_state(mgr: KVCacheManagerV2):

@@ -12,18 +12,11 @@ from tensorrt_llm_draftkv import LlmRequest, LlmRequestState, ScheduledRequests
 from tensorrt_llm_draftkv.request import ContextView
 from tensorrt_llm_draftkv.speculative import DFlashSpecMetadata, NoFreeSlotError, SlotStart, context_store_start, generation_seed, page_aligned_seed
 from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
+from support import truth
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
-def truth(n: int, seed: int = 0) -> list[int]:
-    return phrase_stream(n, vocab_size=64, phrase_len=8, num_phrases=6, seed=seed)
 
 
 def ctx_req(rid: int, prompt: int, start: int = 0, chunk: int | None = None) -> LlmRequest:

@@ -234,12 +234,4 @@ DraftKVMachine.TestCase.settings = settings(
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 TestDraftKVMachine = DraftKVMachine.TestCase

@@ -27,12 +27,6 @@ from tensorrt_llm_draftkv.request import ContextView
 from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def everything(loop: DraftLoop):

@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 from functools import partial
 
+import pytest
 import torch
 
 from tensorrt_llm_draftkv.sim import RunSpec
@@ -20,7 +21,10 @@ from tensorrt_llm_draftkv.sim.simulate import run_one, target_only_outputs
 from tensorrt_llm_draftkv.manager.rules import MirrorSizing
 
 # The small geometry and the autouse fixtures (one thread, reference kernels) are shared.
-from executor_support import SMALL, one_thread_per_process, reference_kernels  # noqa: E402,F401
+from support import SMALL
+
+pytestmark = pytest.mark.usefixtures("reference_kernels")  # the kernels' torch reference: fast on CPU
+
 
 
 def test_two_process_run_equals_target_only():

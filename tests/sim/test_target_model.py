@@ -16,7 +16,6 @@ from tensorrt_llm_draftkv.manager import KVCacheManagerV2
 from tensorrt_llm_draftkv.request import LlmRequest, ScheduledRequests
 from tensorrt_llm_draftkv.runtime import BAD_PAGE_INDEX
 
-from executor_support import one_thread_per_process  # noqa: E402,F401  (autouse)
 
 
 P = 16

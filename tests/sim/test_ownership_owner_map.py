@@ -39,12 +39,6 @@ from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
 from tensorrt_llm_draftkv.sim.ownership import OwnershipChecker, OwnershipViolation
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 P = 8  # tokens per block
