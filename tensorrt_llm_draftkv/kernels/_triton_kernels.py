@@ -7,7 +7,7 @@ wrapped twice, lazily, by :func:`get_kernel`:
 * an ``InterpretedFunction`` for CPU tensors (Triton's interpreter),
 
 independently of whether ``TRITON_INTERPRET`` was set when this module was
-imported. The dispatch policy (which one runs when) lives in ``api.py``.
+imported. The dispatch policy (which one runs when) lives in ``spec_tail_kernels.py``.
 
 Layout conventions shared by the three kernels:
 

@@ -49,44 +49,12 @@ def add_dummy_requests(
     here: ValueError otherwise); a dummy that does not fit raises
     `KVCacheResizeError` (nothing added) instead of returning None.
     """
-    if max_beam_width != 1:
-        raise ValueError(
-            f"{manager.error_label}: add_dummy_requests supports max_beam_width 1 only (no beam search here), "
-            f"got max_beam_width={max_beam_width}"
-        )
-    if max_num_draft_tokens < 0 or num_extra_decoding_steps < 0:
-        raise ValueError(
-            f"{manager.error_label}: max_num_draft_tokens ({max_num_draft_tokens}) and "
-            f"num_extra_decoding_steps ({num_extra_decoding_steps}) must be >= 0"
-        )
-    if draft_kv_cache_manager is not None:
-        from .kv_cache_manager import KVCacheManagerV2  # a cycle at import time otherwise
-
-        if not isinstance(draft_kv_cache_manager, KVCacheManagerV2):
-            raise TypeError(
-                f"draft_kv_cache_manager must be a KVCacheManagerV2, got {type(draft_kv_cache_manager).__name__}"
-            )
-        if draft_kv_cache_manager is manager:
-            raise ValueError(f"{manager.error_label}: draft_kv_cache_manager is this manager itself")
     request_ids = list(request_ids)
-    if token_nums is None:
-        token_nums = [1 + max_num_draft_tokens] * len(request_ids)
-    token_nums = list(token_nums)
-    if len(token_nums) != len(request_ids):
-        raise ValueError(f"{len(request_ids)} dummy ids but {len(token_nums)} token counts")
-    taken = [rid for rid in request_ids if rid in manager._caches]
-    repeated = sorted({rid for rid in request_ids if request_ids.count(rid) > 1})
-    if taken or repeated:
-        bad = taken or repeated
-        raise ValueError(
-            f"{manager.error_label}: dummy request {bad[0]} "
-            + ("already has a cache" if taken else "is named twice")
-            + (f" (also {bad[1:]})" if len(bad) > 1 else "")
-            + "; no dummy was added"
-        )
-    for rid, tokens in zip(request_ids, token_nums):
-        if tokens < 1:
-            raise ValueError(f"dummy request {rid}: token count must be >= 1, got {tokens}")
+    token_nums = [1 + max_num_draft_tokens] * len(request_ids) if token_nums is None else list(token_nums)
+    _check_dummies(
+        manager, request_ids, token_nums, max_num_draft_tokens, max_beam_width, num_extra_decoding_steps,
+        draft_kv_cache_manager,
+    )
     made: list[LlmRequest] = []
     for rid, tokens in zip(request_ids, token_nums):
         req = LlmRequest(rid, prompt_len=tokens, is_dummy=True)
@@ -119,3 +87,49 @@ def add_dummy_requests(
                 history_hint=history_hint,
             )
     return made
+
+
+def _check_dummies(
+    manager: KVCacheManagerV2,
+    request_ids: list[int],
+    token_nums: list[int],
+    max_num_draft_tokens: int,
+    max_beam_width: int,
+    num_extra_decoding_steps: int,
+    draft_kv_cache_manager: "KVCacheManagerV2 | None",
+) -> None:
+    """Every argument error, raised before any dummy exists (naming the numbers)."""
+    if max_beam_width != 1:
+        raise ValueError(
+            f"{manager.error_label}: add_dummy_requests supports max_beam_width 1 only (no beam search here), "
+            f"got max_beam_width={max_beam_width}"
+        )
+    if max_num_draft_tokens < 0 or num_extra_decoding_steps < 0:
+        raise ValueError(
+            f"{manager.error_label}: max_num_draft_tokens ({max_num_draft_tokens}) and "
+            f"num_extra_decoding_steps ({num_extra_decoding_steps}) must be >= 0"
+        )
+    if draft_kv_cache_manager is not None:
+        from .kv_cache_manager import KVCacheManagerV2  # a cycle at import time otherwise
+
+        if not isinstance(draft_kv_cache_manager, KVCacheManagerV2):
+            raise TypeError(
+                f"draft_kv_cache_manager must be a KVCacheManagerV2, got {type(draft_kv_cache_manager).__name__}"
+            )
+        if draft_kv_cache_manager is manager:
+            raise ValueError(f"{manager.error_label}: draft_kv_cache_manager is this manager itself")
+    if len(token_nums) != len(request_ids):
+        raise ValueError(f"{len(request_ids)} dummy ids but {len(token_nums)} token counts")
+    taken = [rid for rid in request_ids if rid in manager._caches]
+    repeated = sorted({rid for rid in request_ids if request_ids.count(rid) > 1})
+    if taken or repeated:
+        bad = taken or repeated
+        raise ValueError(
+            f"{manager.error_label}: dummy request {bad[0]} "
+            + ("already has a cache" if taken else "is named twice")
+            + (f" (also {bad[1:]})" if len(bad) > 1 else "")
+            + "; no dummy was added"
+        )
+    for rid, tokens in zip(request_ids, token_nums):
+        if tokens < 1:
+            raise ValueError(f"dummy request {rid}: token count must be >= 1, got {tokens}")

@@ -81,6 +81,24 @@ def copy_batch_block_offsets(
     any error `dst_tensor` is unchanged.
     """
     ids = list(request_ids)
+    width, width_label = _check_copy_args(manager, dst_tensor, ids, beam_width, num_contexts, num_seqs, max_blocks)
+    manager._require_caches(ids, "copy_batch_block_offsets")
+    caches = [manager._caches[rid] for rid in ids]
+    out = block_offset_array(manager, ids, caches, "cpp", width, width_label)
+    if num_seqs:
+        dst_tensor[:, :num_seqs, :, :width].copy_(torch.from_numpy(out.astype(np.int32)))
+
+
+def _check_copy_args(
+    manager: KVCacheManagerV2,
+    dst_tensor: torch.Tensor,
+    ids: list[int],
+    beam_width: int,
+    num_contexts: int,
+    num_seqs: int,
+    max_blocks: int | None,
+) -> tuple[int, str]:
+    """Every argument error of `copy_batch_block_offsets`, before the write; returns the width written."""
     label = f"{manager.error_label}: copy_batch_block_offsets"
     for name, value in (("beam_width", beam_width), ("num_contexts", num_contexts), ("num_seqs", num_seqs)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -121,8 +139,4 @@ def copy_batch_block_offsets(
         raise ValueError(
             f"{label}: dst_tensor is on {dst_tensor.device}, this manager's pools on {manager.config.device}"
         )
-    manager._require_caches(ids, "copy_batch_block_offsets")
-    caches = [manager._caches[rid] for rid in ids]
-    out = block_offset_array(manager, ids, caches, "cpp", width, width_label)
-    if num_seqs:
-        dst_tensor[:, :num_seqs, :, :width].copy_(torch.from_numpy(out.astype(np.int32)))
+    return width, width_label

@@ -1,6 +1,6 @@
 """Disaggregated 1P1D over torch.distributed (gloo): two spawned ranks, small prompts.
 
-The long-prompt acceptance lives in test_executor_long.py; here a small run
+The long-prompt acceptance lives in test_long_prompts.py; here a small run
 checks that the two-process path gives the target-only output, and that a rank
 that dies without reporting makes the parent raise instead of waiting forever.
 """

@@ -3,7 +3,7 @@
 One module-scoped computation runs the default's `agg-long` and `disagg-long`
 runs under both sizings through `run_one` (the function `simulate` calls for
 each row) and every test reads it. Whether each run equals the target-only
-output is asserted on the command's own table (test_simulate_cli.py, which runs
+output is asserted on the command's own table (test_cli.py, which runs
 the whole default), and the `disagg-16k` foreign-page contrast on its JSON.
 """
 from __future__ import annotations
