@@ -10,7 +10,7 @@ import torch
 
 from tensorrt_llm_draftkv import LlmRequest, LlmRequestState, ScheduledRequests
 from tensorrt_llm_draftkv.request import ContextView
-from tensorrt_llm_draftkv.speculative import DFlashSpecMetadata, NoFreeSlotError
+from tensorrt_llm_draftkv.speculative import DFlashSpecMetadata, NoFreeSlotError, SlotStart
 from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
 from support import truth
 
