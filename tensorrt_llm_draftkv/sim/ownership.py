@@ -57,21 +57,57 @@ class OwnershipViolation(AssertionError):
 
 
 class _Shadow:
-    """Dense per-(request, layer) copy of stored K/V by slot position, with epochs."""
+    """What one request's slot stored in one pool, by slot position, with epochs, over a sliding span.
 
-    def __init__(self, like: torch.Tensor) -> None:
+    Holds positions `[lo, lo + capacity)`. `keep` is how far below the newest
+    stored position a read can still reach (about the pool's window; None for a
+    full-attention pool, which reads everything): stores past the end slide the
+    span, so memory stays about `keep` plus one store, whatever the prompt length.
+    A read below the span is a read of something no longer held: stale.
+    """
+
+    def __init__(self, like: torch.Tensor, keep: int | None) -> None:
+        self.keep = keep
+        self.lo = 0
         self.values = torch.zeros((0, *like.shape[1:]), dtype=like.dtype, device=like.device)
         self.epoch = torch.full((0,), _NEVER, dtype=torch.int64, device=like.device)
 
-    def ensure(self, size: int) -> None:
-        if size <= self.values.shape[0]:
+    @property
+    def capacity(self) -> int:
+        return self.values.shape[0]
+
+    def cover(self, first: int, end: int) -> None:
+        """Make positions `[first, end)` addressable (a store), sliding the span if `keep` allows."""
+        hi = max(end, self.lo + self.capacity)
+        new_lo = self.lo if self.keep is None else max(self.lo, hi - self.keep)
+        new_lo = min(new_lo, first)  # never below what it held before unless asked, never above the store
+        if new_lo >= self.lo and end <= self.lo + self.capacity:
             return
-        new = max(size, 2 * self.values.shape[0], 64)
-        values = torch.zeros((new, *self.values.shape[1:]), dtype=self.values.dtype, device=self.values.device)
-        values[: self.values.shape[0]] = self.values
-        epoch = torch.full((new,), _NEVER, dtype=torch.int64, device=self.epoch.device)
-        epoch[: self.epoch.shape[0]] = self.epoch
-        self.values, self.epoch = values, epoch
+        # Amortised growth: double, but never past twice `keep` (the slack for later stores).
+        room = 2 * self.capacity if self.keep is None else min(2 * self.capacity, 2 * self.keep)
+        size = max(hi - new_lo, room, 64)
+        values = torch.zeros((size, *self.values.shape[1:]), dtype=self.values.dtype, device=self.values.device)
+        epoch = torch.full((size,), _NEVER, dtype=torch.int64, device=self.epoch.device)
+        a, b = max(new_lo, self.lo), min(self.lo + self.capacity, new_lo + size)
+        if b > a:
+            values[a - new_lo : b - new_lo] = self.values[a - self.lo : b - self.lo]
+            epoch[a - new_lo : b - new_lo] = self.epoch[a - self.lo : b - self.lo]
+        self.lo, self.values, self.epoch = new_lo, values, epoch
+
+    def store(self, pos: torch.Tensor, kv: torch.Tensor, epoch: int) -> None:
+        self.cover(int(pos.min()), int(pos.max()) + 1)
+        self.values[pos - self.lo] = kv
+        self.epoch[pos - self.lo] = epoch
+
+    def lookup(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(epochs, values) at `pos`; positions outside the span read as never stored."""
+        rel = pos - self.lo
+        inside = (rel >= 0) & (rel < self.capacity)
+        idx = torch.where(inside, rel, 0)
+        if self.capacity == 0:
+            return torch.full_like(pos, _NEVER), torch.zeros((pos.numel(), *self.values.shape[1:]), dtype=self.values.dtype, device=self.values.device)
+        epochs = torch.where(inside, self.epoch[idx], _NEVER)
+        return epochs, self.values[idx]
 
 
 class OwnershipChecker:
@@ -112,6 +148,7 @@ class OwnershipChecker:
             self._subscribe(draft_manager)
 
     def reset_counters(self) -> None:
+        self.peak_shadow_tokens = 0
         self.reads = 0
         self.writes = 0
         self.foreign_page_accesses = 0
@@ -402,11 +439,31 @@ class OwnershipChecker:
         if self.raise_on_violation:
             raise OwnershipViolation(text)
 
+    def _shadow_keep(self, group: int) -> int | None:
+        """Tokens below the newest stored position a slot can still read in this pool (None: all).
+
+        The pool's window (trail page included) plus a page of seed lag and room for
+        a block; twice that, to stay well clear of the edge.
+        """
+        dm = self.draft_manager
+        if dm is None:
+            return None
+        window = dm.layer_groups[group].life_cycle.window
+        return None if window is None else 2 * (window + 2 * dm.tokens_per_block)
+
+    @property
+    def shadow_tokens(self) -> int:
+        """Token positions the value shadow holds now, over every request and pool."""
+        return sum(sh.capacity for sh in self._shadow.values())
+
+    def _note_shadow_size(self) -> None:
+        self.peak_shadow_tokens = max(self.peak_shadow_tokens, self.shadow_tokens)
+
     def _shadow_for(self, request_id: int, group: int, like: torch.Tensor) -> _Shadow:
         key = (request_id, group)
         sh = self._shadow.get(key)
         if sh is None:
-            sh = self._shadow[key] = _Shadow(like)
+            sh = self._shadow[key] = _Shadow(like, self._shadow_keep(group))
         return sh
 
     def _check_owner(
@@ -503,9 +560,8 @@ class OwnershipChecker:
     def _store_shadow(self, request_id: int, group: int, positions: torch.Tensor, kv: torch.Tensor, epoch: int) -> None:
         sh = self._shadow_for(request_id, group, kv)
         pos = positions.to(device=sh.values.device, dtype=torch.int64)
-        sh.ensure(int(pos.max()) + 1)
-        sh.values[pos] = kv.to(sh.values.device)
-        sh.epoch[pos] = epoch
+        sh.store(pos, kv.to(sh.values.device), epoch)
+        self._note_shadow_size()
 
     def record_read(
         self,
@@ -528,11 +584,10 @@ class OwnershipChecker:
             return
         sh = self._shadow_for(request_id, group, kv)
         pos = positions.to(device=sh.values.device, dtype=torch.int64)
-        sh.ensure(int(pos.max()) + 1)
         epoch = self._epoch.get(request_id, 0)
-        ep = sh.epoch[pos]
+        ep, held = sh.lookup(pos)
         stored = (ep == epoch) | (ep == _REUSED)
-        same = (sh.values[pos] == kv.to(sh.values.device)).flatten(2).all(dim=2)  # [n, Lg]
+        same = (held == kv.to(sh.values.device)).flatten(2).all(dim=2)  # [n, Lg]
         bad = ~stored[:, None] | ~same
         n_bad = int(bad.sum())
         if n_bad:

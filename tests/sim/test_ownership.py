@@ -142,3 +142,24 @@ def test_disagg_ownership_scenario_on_cuda_tensors(seeding):
     else:
         assert chk.foreign_page_accesses > 0
     loop.meta.check_host_mirror()
+
+
+def _peak_shadow(prompt: int, windows) -> int:
+    from support import truth
+
+    loop = DraftLoop.build(windows=windows, tokens_per_block=16, pages=512, max_seq_len=16384)
+    loop.add_context_request(1, truth(prompt + 200, 1), prompt, chunk=64)
+    for _ in range(prompt // 64 + 20):
+        loop.step(chunks={1: 64})
+    loop.checker.assert_clean()
+    assert loop.checker.reads > 0
+    return loop.checker.peak_shadow_tokens
+
+
+def test_the_checker_memory_follows_the_window_not_the_prompt():
+    """By the checker's own counter: a windowed pool's shadow stays the same size for a 10x longer prompt."""
+    short, long = _peak_shadow(400, (48,)), _peak_shadow(4000, (48,))
+    assert long == short
+    assert long < 400
+    # a full-attention pool reads everything, so there the shadow does follow the prompt
+    assert _peak_shadow(4000, (None,)) >= 4000
