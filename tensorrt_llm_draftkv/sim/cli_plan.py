@@ -1,10 +1,88 @@
-"""`python -m tensorrt_llm_draftkv plan`: pages, bytes and concurrency for a pool geometry and budget."""
+"""`python -m tensorrt_llm_draftkv plan`: pages, bytes and concurrency for a pool geometry and budget.
+
+Every option is checked by its argparse type (a bad value is a usage error, exit
+2, naming the option); options that only make sense together are checked right
+after parsing, before anything is computed. A pool that cannot hold one request
+is reported on stderr with both numbers (exit 1). The target pool is planned only
+when target layers are given.
+"""
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
+import sys
+from fractions import Fraction
+from pathlib import Path
 
 from ..config import LayerGroupConfig, SpeculativeDecodingMode, parse_dtype
-from ..manager.planner import PoolGeometry, format_report, plan_pool, trail_tokens_for
+from ..manager.planner import (
+    PoolGeometry,
+    PoolReport,
+    format_bytes,
+    format_report,
+    gib_to_bytes,
+    plan_pool,
+    trail_tokens_for,
+)
+
+PROG = "python -m tensorrt_llm_draftkv plan"
+
+
+# -- argparse types: each returns the value or raises ArgumentTypeError("must be ..., got ...") --------------
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def _int_at_least(low: int):
+    def check(text: str) -> int:
+        value = _int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    check.__name__ = f"int >= {low}"
+    return check
+
+
+positive_int = _int_at_least(1)
+non_negative_int = _int_at_least(0)
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = _finite_float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
+def dtype_name(text: str) -> str:
+    try:
+        parse_dtype(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text.lower()
 
 
 def _mode(text: str) -> SpeculativeDecodingMode:
@@ -14,72 +92,263 @@ def _mode(text: str) -> SpeculativeDecodingMode:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in --help, except where there is none (an option that is off unless given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+# -- options -----------------------------------------------------------------------------------------------
 def add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = _HelpFormatter
+    p.description = (
+        "Pages, bytes and concurrency of a draft KV pool (and of a target pool when target layers are given) "
+        "for a geometry and a budget. Byte budgets are per rank (one GPU)."
+    )
+    p.set_defaults(_plan_parser=p)
     p.add_argument(
         "--drafter", default="dspark", type=_mode, help="speculative mode (dflash, dspark, pard, mtp, ...)"
     )
-    p.add_argument("--num-layers", type=int, default=5, help="windowed draft layers")
-    p.add_argument("--num-full-layers", type=int, default=0, help="full-attention draft layers")
-    p.add_argument("--num-kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--tokens-per-block", type=int, default=32)
-    p.add_argument("--window", type=int, default=4096, help="attention window in tokens (0 = full attention)")
-    p.add_argument("--max-seq-len", type=int, default=524288)
-    p.add_argument("--chunk", type=int, default=8192, help="context chunk size")
-    p.add_argument("--max-draft-len", type=int, default=7)
-    p.add_argument("--pool-gib", type=float, default=1.0, help="byte budget of the draft pool")
-    t = p.add_argument_group("target pool (0 target layers skips it)")
-    t.add_argument("--target-num-layers", type=int, default=48, help="windowed target layers")
-    t.add_argument("--target-num-full-layers", type=int, default=16, help="full-attention target layers")
-    t.add_argument("--target-num-kv-heads", type=int, default=8)
-    t.add_argument("--target-head-dim", type=int, default=128)
-    t.add_argument("--target-window", type=int, default=4096, help="target attention window (0 = full)")
-    t.add_argument("--target-pool-gib", type=float, default=64.0, help="byte budget of the target pool")
+    p.add_argument("--num-layers", type=non_negative_int, default=5, help="windowed draft layers")
+    p.add_argument("--num-full-layers", type=non_negative_int, default=0, help="full-attention draft layers")
+    p.add_argument("--num-kv-heads", type=positive_int, default=4, help="draft KV heads (all ranks)")
+    p.add_argument("--head-dim", type=positive_int, default=128, help="draft head size")
+    p.add_argument("--dtype", type=dtype_name, default="bfloat16", help="KV dtype (bf16, fp16, fp32, fp8, ...)")
+    p.add_argument("--tokens-per-block", type=positive_int, default=32, help="page size P in tokens")
+    p.add_argument(
+        "--window", type=non_negative_int, default=4096,
+        help="attention window of the windowed draft layers in tokens (0 = full attention; else >= one page)",
+    )
+    p.add_argument(
+        "--max-seq-len", type=positive_int, default=524288,
+        help="longest request in tokens (what a full-attention group is charged)",
+    )
+    p.add_argument("--chunk", type=positive_int, default=8192, help="context chunk size in tokens")
+    p.add_argument("--max-draft-len", type=non_negative_int, default=7, help="draft tokens per step")
+    p.add_argument(
+        "--num-extra-kv-tokens", type=non_negative_int, default=0,
+        help="extra KV tokens every step puts above history in the draft pool",
+    )
+    p.add_argument(
+        "--tp", type=positive_int, default=1,
+        help="tensor-parallel ranks: KV heads are sharded over them (ceil(heads / tp) per rank)",
+    )
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the whole report as JSON to FILE")
+
+    b = p.add_argument_group("draft pool budget (one of --pool-gib, --max-tokens, --memory-fraction)")
+    forms = b.add_mutually_exclusive_group()
+    forms.add_argument(
+        "--pool-gib", type=positive_float, default=1.0,
+        help="bytes one rank gives the draft pool, in GiB (used unless another form is given)",
+    )
+    forms.add_argument(
+        "--max-tokens", type=positive_int, default=None,
+        help="token slots every draft layer group holds (rounded up to pages), as TensorRT-LLM's max_tokens",
+    )
+    forms.add_argument(
+        "--memory-fraction", type=fraction, default=None,
+        help="fraction of --device-memory-gib given to the draft pool (as free_gpu_memory_fraction / "
+        "gpu_memory_utilization)",
+    )
+    b.add_argument(
+        "--device-memory-gib", type=positive_float, default=None,
+        help="memory of one device in GiB (with --memory-fraction only)",
+    )
+
+    t = p.add_argument_group("target pool (planned only when target layers are given)")
+    t.add_argument("--target-num-layers", type=non_negative_int, default=0, help="windowed target layers")
+    t.add_argument("--target-num-full-layers", type=non_negative_int, default=0, help="full-attention target layers")
+    t.add_argument("--target-num-kv-heads", type=positive_int, default=8, help="target KV heads (all ranks)")
+    t.add_argument("--target-head-dim", type=positive_int, default=128, help="target head size")
+    t.add_argument(
+        "--target-window", type=non_negative_int, default=4096,
+        help="target attention window (0 = full; else >= one page)",
+    )
+    t.add_argument(
+        "--target-num-extra-kv-tokens", type=non_negative_int, default=0,
+        help="extra KV tokens every step puts above history in the target pool",
+    )
+    tb = t.add_mutually_exclusive_group()
+    tb.add_argument(
+        "--target-pool-gib", type=positive_float, default=64.0,
+        help="bytes one rank gives the target pool, in GiB (used unless --target-max-tokens is given)",
+    )
+    tb.add_argument(
+        "--target-max-tokens", type=positive_int, default=None,
+        help="token slots every target layer group holds (rounded up to pages)",
+    )
+
+
+# -- cross-option checks -------------------------------------------------------------------------------------
+def _parser(args: argparse.Namespace) -> argparse.ArgumentParser:
+    parser = getattr(args, "_plan_parser", None)
+    if parser is None:  # a Namespace built without add_plan_args' parser
+        parser = argparse.ArgumentParser(prog=PROG)
+        add_plan_args(parser)
+    return parser
+
+
+def _check_window(parser: argparse.ArgumentParser, option: str, window: int, tokens_per_block: int) -> None:
+    if 0 < window < tokens_per_block:
+        parser.error(
+            f"argument {option}: a window of {window} tokens is shorter than one page "
+            f"(--tokens-per-block {tokens_per_block}); give a window of at least {tokens_per_block} tokens "
+            "or 0 for full attention"
+        )
+
+
+def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.num_layers == 0 and args.num_full_layers == 0:
+        parser.error("argument --num-layers: --num-layers and --num-full-layers are both 0: the draft pool has no layers")
+    if args.num_layers:
+        _check_window(parser, "--window", args.window, args.tokens_per_block)
+    if args.target_num_layers:
+        _check_window(parser, "--target-window", args.target_window, args.tokens_per_block)
+    if args.memory_fraction is not None and args.device_memory_gib is None:
+        parser.error("argument --memory-fraction: needs --device-memory-gib (the memory of one device)")
+    if args.device_memory_gib is not None and args.memory_fraction is None:
+        parser.error("argument --device-memory-gib: only with --memory-fraction")
+    if args.json is not None:
+        path = Path(args.json)
+        folder = path.parent
+        if not folder.is_dir():
+            parser.error(f"argument --json: folder {str(folder)!r} does not exist (for {str(path)!r})")
+        if path.is_dir():
+            parser.error(f"argument --json: {str(path)!r} is a folder, not a file")
+        if not os.access(folder, os.W_OK):
+            parser.error(f"argument --json: folder {str(folder)!r} is not writable")
+
+
+# -- the plan ------------------------------------------------------------------------------------------------
+def _groups(windowed: int, window: int, full: int) -> tuple[LayerGroupConfig, ...]:
+    groups = []
+    if windowed:
+        groups.append(LayerGroupConfig(windowed, window=window or None))
+    if full:
+        groups.append(LayerGroupConfig(full, window=None))
+    return tuple(groups)
+
+
+def _draft_budget(args: argparse.Namespace) -> tuple[dict, dict]:
+    """(plan_pool's budget keyword, the budget as the JSON and the text show it)."""
+    if args.max_tokens is not None:
+        return {"max_tokens": args.max_tokens}, {"form": "max_tokens", "max_tokens": args.max_tokens}
+    if args.memory_fraction is not None:
+        budget = math.floor(Fraction(args.memory_fraction) * Fraction(args.device_memory_gib) * (1 << 30))
+        return {"budget_bytes": budget}, {
+            "form": "memory_fraction",
+            "memory_fraction": args.memory_fraction,
+            "device_memory_gib": args.device_memory_gib,
+            "budget_bytes_per_rank": budget,
+        }
+    budget = gib_to_bytes(args.pool_gib)
+    return {"budget_bytes": budget}, {"form": "pool_gib", "pool_gib": args.pool_gib, "budget_bytes_per_rank": budget}
+
+
+def _target_budget(args: argparse.Namespace) -> tuple[dict, dict]:
+    if args.target_max_tokens is not None:
+        return {"max_tokens": args.target_max_tokens}, {"form": "max_tokens", "max_tokens": args.target_max_tokens}
+    budget = gib_to_bytes(args.target_pool_gib)
+    return {"budget_bytes": budget}, {"form": "pool_gib", "pool_gib": args.target_pool_gib, "budget_bytes_per_rank": budget}
+
+
+def _budget_line(budget: dict, report: PoolReport) -> str:
+    pages = [g.pool_pages for g in report.groups]
+    pages_text = f"{pages[0]} pool pages" if len(pages) == 1 else f"pool pages {pages} (per group)"
+    if budget["form"] == "max_tokens":
+        what = f"{budget['max_tokens']} token slots per group (--max-tokens)"
+    elif budget["form"] == "memory_fraction":
+        what = (
+            f"{budget['memory_fraction']} of {budget['device_memory_gib']} GiB = "
+            f"{format_bytes(budget['budget_bytes_per_rank'])} per rank"
+        )
+    else:
+        what = f"{format_bytes(budget['budget_bytes_per_rank'])} per rank"
+    return f"  budget: {what}: {pages_text}, {format_bytes(report.pool_bytes_per_rank)} per rank used"
+
+
+def _shortfall_message(report: PoolReport, tokens_per_block: int) -> str | None:
+    short = report.shortfalls()
+    if not short:
+        return None
+    parts = []
+    for i, g in short:
+        window = "full attention" if g.window is None else f"window {g.window}"
+        parts.append(
+            f"group {i} ({window}, {g.num_layers} layers): the budget buys {g.pool_pages} pages but one request "
+            f"needs {g.pages_per_request} pages (the unaligned charge; {g.aligned_pages_per_request} with the "
+            f"aligned, pages of {tokens_per_block} tokens)"
+        )
+    return f"the {report.name} pool cannot hold one request: " + "; ".join(parts)
+
+
+def _inputs(args: argparse.Namespace) -> dict:
+    out = {}
+    for key, value in vars(args).items():
+        if key.startswith("_") or key == "command":
+            continue
+        out[key] = value.value if isinstance(value, SpeculativeDecodingMode) else value
+    return out
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    parser = _parser(args)
+    _check(args, parser)
     mode = args.drafter
-    groups = []
-    if args.num_layers:
-        groups.append(LayerGroupConfig(args.num_layers, window=args.window or None))
-    if args.num_full_layers:
-        groups.append(LayerGroupConfig(args.num_full_layers, window=None))
-    geometry = PoolGeometry(tuple(groups), args.num_kv_heads, args.head_dim, parse_dtype(args.dtype), args.tokens_per_block)
-    trail = trail_tokens_for(mode, geometry, is_draft_pool=True)
+    dtype = parse_dtype(args.dtype)
+    common = dict(max_seq_len=args.max_seq_len, chunk=args.chunk, max_draft_len=args.max_draft_len)
+
+    geometry = PoolGeometry(
+        _groups(args.num_layers, args.window, args.num_full_layers),
+        args.num_kv_heads, args.head_dim, dtype, args.tokens_per_block, tp_size=args.tp,
+    )
+    budget_kw, budget = _draft_budget(args)
     report = plan_pool(
-        f"draft ({mode.value})",
-        geometry,
-        budget_bytes=int(args.pool_gib * (1 << 30)),
-        max_seq_len=args.max_seq_len,
-        chunk=args.chunk,
-        max_draft_len=args.max_draft_len,
-        trail_tokens=trail,
+        f"draft ({mode.value})", geometry, **budget_kw, **common,
+        num_extra_kv_tokens=args.num_extra_kv_tokens,
+        trail_tokens=trail_tokens_for(mode, geometry, is_draft_pool=True),
     )
     print(format_report(report, args.tokens_per_block))
-    target_groups = []
-    if args.target_num_layers:
-        target_groups.append(LayerGroupConfig(args.target_num_layers, window=args.target_window or None))
-    if args.target_num_full_layers:
-        target_groups.append(LayerGroupConfig(args.target_num_full_layers, window=None))
+    print(_budget_line(budget, report))
+    result = {"inputs": _inputs(args), "draft": {**report.to_dict(), "budget": budget}}
+    errors = [_shortfall_message(report, args.tokens_per_block)]
+
+    target_groups = _groups(args.target_num_layers, args.target_window, args.target_num_full_layers)
     if target_groups:
         target = PoolGeometry(
-            tuple(target_groups),
-            args.target_num_kv_heads,
-            args.target_head_dim,
-            parse_dtype(args.dtype),
-            args.tokens_per_block,
+            target_groups, args.target_num_kv_heads, args.target_head_dim, dtype, args.tokens_per_block,
+            tp_size=args.tp,
         )
+        target_kw, target_budget = _target_budget(args)
         target_report = plan_pool(
-            "target",
-            target,
-            budget_bytes=int(args.target_pool_gib * (1 << 30)),
-            max_seq_len=args.max_seq_len,
-            chunk=args.chunk,
-            max_draft_len=args.max_draft_len,
+            "target", target, **target_kw, **common, num_extra_kv_tokens=args.target_num_extra_kv_tokens
         )
         print()
         print(format_report(target_report, args.tokens_per_block))
+        print(_budget_line(target_budget, target_report))
         both = min(report.max_concurrency, target_report.max_concurrency)
-        print(f"\nconcurrent requests both pools hold: {both}")
-    return 0
+        both_aligned = min(report.max_concurrency_aligned, target_report.max_concurrency_aligned)
+        print(f"\nconcurrent requests both pools hold: {both} ({both_aligned} with the aligned charge)")
+        result["target"] = {**target_report.to_dict(), "budget": target_budget}
+        result["max_concurrency"] = both
+        result["max_concurrency_aligned"] = both_aligned
+        errors.append(_shortfall_message(target_report, args.tokens_per_block))
+    else:
+        result["target"] = None
+        result["max_concurrency"] = report.max_concurrency
+        result["max_concurrency_aligned"] = report.max_concurrency_aligned
+    errors = [e for e in errors if e]
+    result["errors"] = errors
+
+    if args.json is not None:
+        try:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        except OSError as err:
+            print(f"{PROG}: error: argument --json: cannot write {args.json!r}: {err.strerror or err}", file=sys.stderr)
+            return 1
+    for message in errors:
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 1 if errors else 0

@@ -124,8 +124,10 @@ def test_format_bytes(n, text):
 
 
 def test_plan_bad_number_is_an_explicit_error(capsys):
-    with pytest.raises(ValueError, match=r"tokens_per_block must be >= 1, got 0"):
+    with pytest.raises(SystemExit) as exc:
         main([*WORKED[:-4], "--tokens-per-block", "0", "--window", "4096"])
+    assert exc.value.code == 2
+    assert "argument --tokens-per-block: must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_plan_reports_the_target_pool_and_the_joint_concurrency(capsys):
