@@ -1,9 +1,92 @@
-"""The embedded scenarios: tiny model dimensions, long prompts, the runs to compare."""
+"""The scenarios: tiny model dimensions, the runs to compare, and their config files.
+
+A scenario is a geometry (`SimSetup`) and the runs that use it (`RunSpec`). It
+reads from and writes to a JSON object holding the setup's fields and a `runs`
+list (`Scenario.from_dict`, `Scenario.to_dict`, `load_scenario`). The embedded
+default, `DEFAULT_SCENARIO`, is itself one such file shipped in the package:
+`sim/default_scenario.json`.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import json
+import re
+from dataclasses import dataclass, field, fields, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
 
 from ..config import SpeculativeDecodingMode
+
+MODES = ("aggregated", "disaggregated")
+#: The drafters the simulator's toy DFlash-style drafter stands in for.
+SIM_DRAFTERS = (SpeculativeDecodingMode.DFLASH, SpeculativeDecodingMode.DSPARK)
+#: More requests than this in one run is a typo (`1x100000000`), not a workload.
+MAX_PROMPTS_PER_RUN = 100_000
+DEFAULT_SCENARIO_FILE = "default_scenario.json"
+
+
+class ScenarioError(ValueError):
+    """A scenario field that cannot be run; `field` names it (`chunk`, `runs[1].prompts`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.message = message
+
+
+def _int(value: Any, name: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ScenarioError(name, f"must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ScenarioError(name, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def _window(value: Any, name: str) -> int | None:
+    """A window in tokens; `None` or 0 is full attention."""
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return None
+    return _int(value, name)
+
+
+def parse_drafter(value: Any, name: str = "drafter") -> SpeculativeDecodingMode:
+    """`dflash` or `dspark` (a mode or its name): the drafters the simulator models."""
+    try:
+        mode = SpeculativeDecodingMode.parse(value)
+    except (TypeError, ValueError):
+        mode = None
+    if mode not in SIM_DRAFTERS:
+        known = " or ".join(m.value for m in SIM_DRAFTERS)
+        raise ScenarioError(name, f"the simulator models {known}, got {value!r}")
+    return mode
+
+
+def parse_prompt_list(text: str) -> tuple[int, ...]:
+    """`131071,262144x4` -> five prompt lengths: comma-separated token counts, `NxK` for K copies of N.
+
+    Raises ValueError naming the bad item.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"expected comma-separated prompt lengths such as '131071,262144x4', got {text!r}")
+    prompts: list[int] = []
+    for item in text.split(","):
+        raw = item.strip()
+        m = re.fullmatch(r"(\d+)(?:[xX](\d+))?", raw)
+        if not m:
+            what = "an empty item" if not raw else f"bad item {raw!r}"
+            raise ValueError(
+                f"{what} in {text!r}: each item is N (a prompt of N tokens) or NxK (K prompts of N tokens), "
+                "e.g. 131071,262144x4"
+            )
+        length, copies = int(m.group(1)), int(m.group(2) or 1)
+        if length < 1:
+            raise ValueError(f"bad item {raw!r} in {text!r}: a prompt needs >= 1 token")
+        if copies < 1:
+            raise ValueError(f"bad item {raw!r} in {text!r}: the count after 'x' must be >= 1")
+        if len(prompts) + copies > MAX_PROMPTS_PER_RUN:
+            raise ValueError(f"bad item {raw!r} in {text!r}: more than {MAX_PROMPTS_PER_RUN} prompts in one run")
+        prompts.extend([length] * copies)
+    return tuple(prompts)
 
 
 @dataclass(frozen=True)
@@ -12,12 +95,13 @@ class SimSetup:
 
     Pools are sized by the estimator for `pool_requests` concurrent requests,
     exactly as a deployment would size them; nothing is padded for the demo.
+    A window of `None` is full attention.
     """
 
     drafter: SpeculativeDecodingMode = SpeculativeDecodingMode.DFLASH
     tokens_per_block: int = 32
     target_window: int | None = 4096
-    draft_window: int = 4096
+    draft_window: int | None = 4096
     chunk: int = 8192
     max_draft_len: int = 7
     vocab_size: int = 256
@@ -40,6 +124,61 @@ class SimSetup:
         """The drafter appends its block above the accepted tokens in the same step."""
         return self.block_size
 
+    # Smallest value of each integer field: the toy drafter needs two feature
+    # channels besides its two rotary ones and a block of at least two tokens, and
+    # the prompts are phrases of 24 distinct tokens from a bank of 6 (sim/prompts.py).
+    _MINIMUMS = {
+        "tokens_per_block": 1,
+        "chunk": 1,
+        "max_draft_len": 1,
+        "vocab_size": 6 * 24,
+        "target_dim": 1,
+        "draft_kv_heads": 1,
+        "draft_head_dim": 4,
+        "pool_requests": 1,
+        "max_new_tokens": 1,
+        "drafter_slots": 1,
+        "max_seq_len": 1,
+    }
+
+    def check(self) -> None:
+        """Raise ScenarioError naming the first field this simulator cannot run."""
+        parse_drafter(self.drafter)
+        for name, minimum in self._MINIMUMS.items():
+            _int(getattr(self, name), name, minimum)
+        for name in ("target_window", "draft_window"):
+            if getattr(self, name) is not None:
+                _int(getattr(self, name), name)
+        if not isinstance(self.trail_page, bool):
+            raise ScenarioError("trail_page", f"must be true or false, got {self.trail_page!r}")
+        if not isinstance(self.device, str) or not self.device:
+            raise ScenarioError("device", f"must be a device name such as 'cpu' or 'cuda', got {self.device!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config-file form: every field, the drafter by name, full attention as null."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["drafter"] = self.drafter.value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, base: "SimSetup | None" = None) -> "SimSetup":
+        """`base` (default: `SimSetup()`) with the fields of `data`; a window of 0 or null is full attention."""
+        if not isinstance(data, dict):
+            raise ScenarioError("", f"a setup is a JSON object of SimSetup fields, got {type(data).__name__}")
+        known = [f.name for f in fields(cls)]
+        changes: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in known:
+                raise ScenarioError(key, f"unknown field; known: {', '.join(known)}, runs")
+            if key == "drafter":
+                value = parse_drafter(value)
+            elif key in ("target_window", "draft_window"):
+                value = _window(value, key)
+            changes[key] = value
+        setup = replace(base or cls(), **changes)
+        setup.check()
+        return setup
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -49,24 +188,92 @@ class RunSpec:
     mode: str  # "aggregated" or "disaggregated"
     prompts: tuple[int, ...]
     max_concurrency: int
-    drafter_slots: int | None = None
-    draft_window: int | None = None  # overrides the setup's for this run
+    drafter_slots: int | None = None  # overrides the setup's for this run
+    draft_window: int | None = None  # overrides the setup's for this run (0: full attention)
     max_new_tokens: int | None = None  # overrides the setup's for this run
+    note: str = ""  # what the run shows (the default scenario's file says it per run)
 
     def setup_for(self, setup: SimSetup) -> SimSetup:
         """The setup this run uses: the scenario's, with this run's overrides."""
-        changes = {}
+        changes: dict[str, Any] = {}
         if self.draft_window is not None:
-            changes["draft_window"] = self.draft_window
+            changes["draft_window"] = self.draft_window or None
         if self.max_new_tokens is not None:
             changes["max_new_tokens"] = self.max_new_tokens
+        if self.drafter_slots is not None:
+            changes["drafter_slots"] = self.drafter_slots
         return replace(setup, **changes) if changes else setup
 
     def __post_init__(self) -> None:
-        if self.mode not in ("aggregated", "disaggregated"):
+        if self.mode not in MODES:
             raise ValueError(f"run {self.name}: mode must be 'aggregated' or 'disaggregated', got {self.mode!r}")
         if not self.prompts or min(self.prompts) < 1:
             raise ValueError(f"run {self.name}: prompts must be positive token counts, got {self.prompts}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config-file form; overrides left unset are left out."""
+        out: dict[str, Any] = {
+            "name": self.name,
+            "mode": self.mode,
+            "prompts": list(self.prompts),
+            "max_concurrency": self.max_concurrency,
+        }
+        for key in ("drafter_slots", "draft_window", "max_new_tokens"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.note:
+            out["note"] = self.note
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "run") -> "RunSpec":
+        """A run from its config-file form; `prompts` is a list of lengths or a string like '131071,262144x4'."""
+        if not isinstance(data, dict):
+            raise ScenarioError(where, f"a run is a JSON object, got {type(data).__name__}")
+        known = [f.name for f in fields(cls)]
+        for key in data:
+            if key not in known:
+                raise ScenarioError(f"{where}.{key}", f"unknown field; known: {', '.join(known)}")
+        for key in ("name", "mode", "prompts", "max_concurrency"):
+            if key not in data:
+                raise ScenarioError(f"{where}.{key}", "missing (a run needs name, mode, prompts, max_concurrency)")
+        name = data["name"]
+        if not isinstance(name, str) or not name.strip() or name != name.strip():
+            raise ScenarioError(f"{where}.name", f"must be a non-empty name without surrounding spaces, got {name!r}")
+        if data["mode"] not in MODES:
+            raise ScenarioError(f"{where}.mode", f"must be 'aggregated' or 'disaggregated', got {data['mode']!r}")
+        raw = data["prompts"]
+        if isinstance(raw, str):
+            try:
+                prompts = parse_prompt_list(raw)
+            except ValueError as err:
+                raise ScenarioError(f"{where}.prompts", str(err)) from None
+        elif isinstance(raw, list) and raw:
+            if len(raw) > MAX_PROMPTS_PER_RUN:
+                raise ScenarioError(f"{where}.prompts", f"more than {MAX_PROMPTS_PER_RUN} prompts in one run")
+            prompts = tuple(_int(n, f"{where}.prompts[{i}]") for i, n in enumerate(raw))
+        else:
+            raise ScenarioError(
+                f"{where}.prompts",
+                f"must be a non-empty list of token counts or a string like '131071,262144x4', got {raw!r}",
+            )
+        optional: dict[str, Any] = {}
+        for key in ("drafter_slots", "max_new_tokens"):
+            if data.get(key) is not None:
+                optional[key] = _int(data[key], f"{where}.{key}")
+        if data.get("draft_window") is not None:
+            optional["draft_window"] = _int(data["draft_window"], f"{where}.draft_window", minimum=0)
+        note = data.get("note", "")
+        if not isinstance(note, str):
+            raise ScenarioError(f"{where}.note", f"must be a string, got {note!r}")
+        return cls(
+            name,
+            data["mode"],
+            prompts,
+            _int(data["max_concurrency"], f"{where}.max_concurrency"),
+            note=note,
+            **optional,
+        )
 
 
 @dataclass(frozen=True)
@@ -77,28 +284,66 @@ class Scenario:
     def with_setup(self, **changes) -> "Scenario":
         return replace(self, setup=replace(self.setup, **changes))
 
+    def check(self) -> None:
+        """Raise ScenarioError naming the first field (of the setup or of a run) that cannot be run."""
+        self.setup.check()
+        seen: set[str] = set()
+        for i, spec in enumerate(self.runs):
+            where = f"runs[{i}]"
+            if spec.name in seen:
+                raise ScenarioError(f"{where}.name", f"run name {spec.name!r} is used twice")
+            seen.add(spec.name)
+            _int(spec.max_concurrency, f"{where}.max_concurrency")
+            for key in ("drafter_slots", "max_new_tokens"):
+                if getattr(spec, key) is not None:
+                    _int(getattr(spec, key), f"{where}.{key}")
+            if spec.draft_window is not None:
+                _int(spec.draft_window, f"{where}.draft_window", minimum=0)
+            setup = spec.setup_for(self.setup)
+            # A request's tokens, its last step's drafts and the drafter's block must fit
+            # in the block table (max_seq_len tokens wide).
+            need = max(spec.prompts) + setup.max_new_tokens + setup.max_draft_len + setup.draft_extra_tokens
+            if need > setup.max_seq_len:
+                raise ScenarioError(
+                    "max_seq_len",
+                    f"{setup.max_seq_len} tokens cannot hold run {spec.name!r}: its longest prompt "
+                    f"({max(spec.prompts)}) + {setup.max_new_tokens} new tokens + {setup.max_draft_len} drafts "
+                    f"+ {setup.draft_extra_tokens} drafter tokens = {need} (raise max_seq_len or shorten the run)",
+                )
 
-DEFAULT_SCENARIO = Scenario(
-    runs=(
-        # A chat-sized request owns the low draft pages while a 16k prompt, which
-        # even the legacy pool can hold, decodes on the generation worker.
-        RunSpec("disagg-16k", "disaggregated", (1000, 16385), 2),
-        # Long prompts, most of them not page multiples (seeds then trail by up to
-        # P - 1 tokens; 131,071 is one short of a window boundary).
-        RunSpec("agg-long", "aggregated", (32768, 131071, 131072, 262145, 524287), 3, drafter_slots=2),
-        RunSpec("disagg-long", "disaggregated", (32768, 131071, 262145, 524287), 2),
-        # More requests in flight than the generation worker has drafter slots:
-        # slots are evicted and reseeded there, at odd positions.
-        RunSpec(
-            "disagg-evict", "disaggregated", (1023, 2049, 3001, 4095, 5119), 4, drafter_slots=2, max_new_tokens=48
-        ),
-        # A short draft window and long generations: a seeded slot's window reaches
-        # below the seed page, which only the trail page keeps backed.
-        RunSpec(
-            "disagg-window", "disaggregated", (1023, 4095, 8191), 3, draft_window=256, max_new_tokens=384
-        ),
-    )
-)
+    def to_dict(self) -> dict[str, Any]:
+        """The config-file form: the setup's fields and a `runs` list."""
+        return {**self.setup.to_dict(), "runs": [spec.to_dict() for spec in self.runs]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, base: SimSetup | None = None) -> "Scenario":
+        """A scenario from its config-file form. Setup fields left out keep `base`'s (default: `SimSetup()`);
+        without `runs` the scenario has none (the command line then runs the default's)."""
+        if not isinstance(data, dict):
+            kind = type(data).__name__
+            raise ScenarioError("", f"a scenario is a JSON object (SimSetup fields and a runs list), got {kind}")
+        setup = SimSetup.from_dict({k: v for k, v in data.items() if k != "runs"}, base=base)
+        raw_runs = data.get("runs", [])
+        if not isinstance(raw_runs, list):
+            raise ScenarioError("runs", f"must be a list of runs, got {type(raw_runs).__name__}")
+        runs = tuple(RunSpec.from_dict(r, f"runs[{i}]") for i, r in enumerate(raw_runs))
+        scenario = cls(setup, runs)
+        scenario.check()
+        return scenario
+
+
+def load_scenario(path: str | Path, *, base: SimSetup | None = None) -> Scenario:
+    """A scenario from a JSON config file. Raises OSError (unreadable), ValueError (not JSON) or ScenarioError."""
+    return Scenario.from_dict(json.loads(Path(path).read_text(encoding="utf-8")), base=base)
+
+
+def default_scenario() -> Scenario:
+    """The embedded scenario, read from the package's `default_scenario.json`."""
+    text = resources.files(__package__).joinpath(DEFAULT_SCENARIO_FILE).read_text(encoding="utf-8")
+    return Scenario.from_dict(json.loads(text))
+
+
+DEFAULT_SCENARIO = default_scenario()
 
 
 def prompt_seed(length: int, occurrence: int) -> int:
