@@ -7,7 +7,9 @@ generation-init caches (`prepare_disagg_gen_init` in both pools), writes the
 received K/V into its own pages and decodes with the drafter, whose slots are
 seeded there because the prompt's drafter context was never computed on it.
 The two ranks talk through torch.distributed (gloo on CPU, NCCL when each rank
-has its own GPU).
+has its own GPU). Each rank reports to the parent through one queue: its result
+(or crash) once, and, when the parent asks for progress, `(steps, finished,
+foreign accesses)` after every step it runs, which the parent draws.
 
 Wire format per request: an int64 header `[request_id, prompt_len, num_tokens,
 num_groups, lo_0, ..]`, the token ids, then K and V of positions `[lo_g, prompt_len)`
@@ -19,7 +21,7 @@ import queue as _queue
 import socket
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,21 @@ from ..request import LlmRequest, LlmRequestState
 
 MAX_GROUPS = 8
 _HEADER = 4 + MAX_GROUPS
+
+
+class RankProgress(Protocol):
+    """Called in the parent after a rank's step: requests that rank finished, its steps, foreign accesses so far.
+
+    Rank 0 (context worker) finishes a request when its prompt is computed and sent; rank 1
+    (generation worker) when it has generated every token.
+    """
+
+    def __call__(self, rank: int, steps: int, finished: int, foreign: int) -> None: ...
+
+
+def foreign_accesses(executor) -> int:
+    """The executor's drafter's foreign-page accesses so far (0 without a drafter)."""
+    return int(getattr(executor.speculator, "foreign_page_accesses", 0) or 0)
 
 
 @dataclass
@@ -142,19 +159,28 @@ def admit_transfer(item: Transfer, executor) -> LlmRequest:
     return req
 
 
-def _worker(rank: int, port: int, backend: str, build: Callable[[int], Any], prompts: list[torch.Tensor], queue) -> None:
+def _worker(
+    rank: int, port: int, backend: str, build: Callable[[int], Any], prompts: list[torch.Tensor], queue,
+    progress: bool = False,
+) -> None:
+    """One rank. Messages to the parent: `(rank, "progress", (steps, finished, foreign))` after each
+    step when `progress`, then `(rank, "result", value)` once (`{"crash": traceback}` on an error)."""
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         if backend == "nccl":
             torch.cuda.set_device(rank)
         result = build(rank)
+        report = None
+        if progress:
+            def report(ex) -> None:
+                queue.put((rank, "progress", (ex.stats.steps, ex.stats.finished, foreign_accesses(ex))))
         if rank == 0:
-            _context_rank(result, prompts)
-            queue.put((rank, None))
+            _context_rank(result, prompts, report)
+            queue.put((rank, "result", None))
         else:
-            queue.put((rank, _generation_rank(result)))
+            queue.put((rank, "result", _generation_rank(result, report)))
     except BaseException:  # report, never hang the parent
-        queue.put((rank, {"crash": traceback.format_exc()}))
+        queue.put((rank, "result", {"crash": traceback.format_exc()}))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -170,18 +196,18 @@ def _wire(executor, backend: str) -> Channel:
     )
 
 
-def _context_rank(executor, prompts: list[torch.Tensor]) -> None:
+def _context_rank(executor, prompts: list[torch.Tensor], report: Callable[[Any], None] | None = None) -> None:
     channel = _wire(executor, dist.get_backend())
     executor.on_complete = lambda req, ex: channel.send(transfer_from(req, ex))
     for rid, prompt in enumerate(prompts):
         executor.add_request(rid, prompt)
     try:
-        executor.run()
+        executor.run(progress=None if report is None else lambda steps, finished: report(executor))
     finally:
         channel.send(None)
 
 
-def _generation_rank(executor):
+def _generation_rank(executor, report: Callable[[Any], None] | None = None):
     channel = _wire(executor, dist.get_backend())
     limit = executor.scheduler.config.max_num_requests
     pending, dead = True, False
@@ -208,11 +234,23 @@ def _generation_rank(executor):
         before = executor.stats.resize_failures
         executor.run_steps(1)
         dead = executor.stats.resize_failures > before
+        if report is not None and not dead:
+            report(executor)
     return executor.finish()
 
 
-def run_disaggregated(build: Callable[[int], Any], prompts: list[torch.Tensor], *, backend: str | None = None):
-    """Run both ranks in child processes; returns the generation rank's result."""
+def run_disaggregated(
+    build: Callable[[int], Any],
+    prompts: list[torch.Tensor],
+    *,
+    backend: str | None = None,
+    progress: RankProgress | None = None,
+):
+    """Run both ranks in child processes; returns the generation rank's result.
+
+    `progress(rank, steps, finished, foreign)` is called here, in the parent, after every
+    step either rank runs (the ranks send it through the result queue).
+    """
     import torch.multiprocessing as mp
 
     if backend is None:
@@ -220,7 +258,10 @@ def run_disaggregated(build: Callable[[int], Any], prompts: list[torch.Tensor], 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, backend, build, prompts, queue)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, port, backend, build, prompts, queue, progress is not None))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     results = {}
@@ -228,7 +269,7 @@ def run_disaggregated(build: Callable[[int], Any], prompts: list[torch.Tensor], 
     try:
         while len(results) < len(procs):
             try:
-                rank, value = queue.get(timeout=1.0)
+                rank, kind, value = queue.get(timeout=1.0)
             except _queue.Empty:
                 # A rank that died before reporting (killed, crashed while starting)
                 # would leave the parent waiting forever; a rank that did report has
@@ -237,10 +278,14 @@ def run_disaggregated(build: Callable[[int], Any], prompts: list[torch.Tensor], 
                 if not gone:
                     continue
                 try:
-                    rank, value = queue.get(timeout=5.0)
+                    rank, kind, value = queue.get(timeout=5.0)
                 except _queue.Empty:
                     codes = {r: procs[r].exitcode for r in gone}
                     raise RuntimeError(f"disaggregated rank(s) {gone} exited without reporting (exit codes {codes})")
+            if kind == "progress":
+                if progress is not None:
+                    progress(rank, *value)
+                continue
             results[rank] = value
             if isinstance(value, dict) and "crash" in value:
                 raise RuntimeError(f"disaggregated rank {rank} crashed:\n{value['crash']}")

@@ -13,6 +13,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
+from typing import Callable
 
 import torch
 
@@ -21,7 +22,7 @@ from ..manager import DraftKVCacheManagerV2, KVCacheManagerV2
 from ..manager.budget import group_pages_per_request
 from ..manager import rules
 from ..manager.rules import MirrorSizing
-from .disagg import run_disaggregated
+from .disagg import foreign_accesses, run_disaggregated
 from .drafting import build_speculator
 from .engine import Executor, RunStats
 from .prompts import phrase_prompt
@@ -54,10 +55,28 @@ class RunResult:
     tokens_per_s: float
     wall_s: float
     draft_pool_occupancy: list[int] = field(default_factory=list, repr=False)
+    # The run's own geometry (the scenario's setup with the run's overrides) and its
+    # in-flight limit; when unset, `to_json(scenario)` looks the run up by name.
+    setup: SimSetup | None = field(default=None, repr=False)
+    max_concurrency: int | None = None
+    # What the plot reads beside the counters (foreign accesses per step, pool capacity); not in the JSON.
+    plot_trace: "PlotTrace | None" = field(default=None, repr=False)
 
-    def to_json(self) -> dict:
+    def to_json(self, scenario: Scenario | None = None) -> dict:
+        """The JSON record: every counter, plus the drafter, trail page, device and whole geometry (`setup`)."""
+        setup, concurrency = self.setup, self.max_concurrency
+        spec = next((s for s in scenario.runs if s.name == self.name), None) if scenario is not None else None
+        if spec is not None:
+            setup = setup or spec.setup_for(scenario.setup)
+            concurrency = concurrency or spec.max_concurrency
         out = asdict(self)
         out.pop("draft_pool_occupancy")
+        out.pop("plot_trace")
+        out["max_concurrency"] = concurrency
+        out["drafter"] = setup.drafter.value if setup else None
+        out["trail_page"] = setup.trail_page if setup else None
+        out["device"] = setup.device if setup else None
+        out["setup"] = setup.to_dict() if setup else None
         return out
 
 
@@ -161,12 +180,16 @@ def _prompts(setup: SimSetup, lengths: tuple[int, ...]) -> list[torch.Tensor]:
     return [phrase_prompt(seed, n, vocab_size=setup.vocab_size) for seed, n in zip(prompt_seeds(lengths), lengths)]
 
 
-def target_only_outputs(setup: SimSetup, keys: list[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
-    """Greedy target-only outputs for (prompt seed, length) keys: the reference every run must equal."""
+def target_only_outputs(
+    setup: SimSetup, keys: list[tuple[int, int]], *, progress: Callable[[int, int], None] | None = None
+) -> dict[tuple[int, int], list[int]]:
+    """Greedy target-only outputs for (prompt seed, length) keys: the reference every run must equal.
+
+    `progress(steps, finished)` is called after every step."""
     executor = build_executor(setup, None, max_concurrency=4, drafter_slots=1)
     for rid, (seed, n) in enumerate(keys):
         executor.add_request(rid, phrase_prompt(seed, n, vocab_size=setup.vocab_size))
-    stats = executor.run()
+    stats = executor.run(progress=progress)
     return {keys[rid]: out for rid, out in stats.outputs.items()}
 
 
@@ -187,44 +210,97 @@ def _build_rank(
 
 
 # -- running ------------------------------------------------------------------------------
-class _Progress:
-    def __init__(self, label: str, total: int, enabled: bool) -> None:
-        self.label, self.total, self.enabled = label, total, enabled
+@dataclass
+class PlotTrace:
+    """What the plot reads beside a run's `RunResult`: set by `simulate` as `result.plot_trace`.
 
-    def __call__(self, steps: int, finished: int) -> None:
-        if self.enabled and steps % 10 == 0:
-            width = 24
-            done = int(width * finished / max(self.total, 1))
-            sys.stderr.write(f"\r  {self.label:<28} [{'#' * done}{'.' * (width - done)}] {finished}/{self.total} step {steps}")
-            sys.stderr.flush()
+    Not a `RunResult` field, so it stays out of the JSON records.
+    """
+
+    foreign_per_step: list[int]  # cumulative foreign accesses after each executor step
+    pool_pages: int  # pages of the run's draft pool (its capacity)
+
+
+class _Progress:
+    """One run's progress bar (tqdm, on stderr) and its per-step trace of foreign accesses.
+
+    Called after every executor step: in aggregated runs by the executor, in
+    disaggregated runs with the reports of both ranks (`rank` 1, the generation
+    worker, finishes requests; rank 0 only says how many prompts it has sent).
+    The trace is kept whether or not the bar is drawn.
+    """
+
+    def __init__(self, label: str, total: int, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self.total = total
+        self.foreign_per_step: list[int] = []
+        self._sent = 0
+        self.bar = tqdm(
+            total=total, desc=f"  {label}", unit="req", leave=False, disable=not enabled, file=sys.stderr,
+            dynamic_ncols=True, bar_format="{desc}: {n_fmt}/{total_fmt} req |{bar}| {elapsed}{postfix}",
+        )
+
+    def __call__(self, steps: int, finished: int, foreign: int = 0) -> None:
+        """The generation side (the executor, or rank 1) after step `steps`."""
+        while len(self.foreign_per_step) < steps:
+            self.foreign_per_step.append(foreign)
+        parts = [f"step {steps}"]
+        if self._sent:
+            parts.insert(0, f"prompts sent {self._sent}/{self.total}")
+        if foreign:
+            parts.append(f"foreign {foreign}")
+        self.bar.set_postfix_str(", ".join(parts), refresh=False)
+        self.bar.update(max(finished - self.bar.n, 0))  # redraws at most every 0.1 s
+
+    def rank(self, rank: int, steps: int, finished: int, foreign: int) -> None:
+        """A disaggregated rank's report (see `disagg.RankProgress`)."""
+        if rank == 1:
+            self(steps, finished, foreign)
+        elif finished != self._sent:
+            self._sent = finished
+            self.bar.set_postfix_str(f"prompts sent {finished}/{self.total}", refresh=False)
+            self.bar.update(0)
 
     def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\r" + " " * 80 + "\r")
+        self.bar.refresh()  # the final count and step once, whatever the redraw interval skipped
+        self.bar.close()
 
 
-def run_one(setup: SimSetup, spec: RunSpec, sizing: MirrorSizing, *, progress: bool = False) -> tuple[RunStats, list[int]]:
+def run_one(
+    setup: SimSetup,
+    spec: RunSpec,
+    sizing: MirrorSizing,
+    *,
+    progress: bool | _Progress = False,
+) -> tuple[RunStats, list[int]]:
+    """One run. `progress`: draw a bar on stderr (True), or a `_Progress` to report to (bar and trace)."""
     setup = spec.setup_for(setup)
     prompts = _prompts(setup, spec.prompts)
     slots = spec.drafter_slots or setup.drafter_slots
-    if spec.mode == "aggregated":
-        executor = build_executor(setup, sizing, spec.max_concurrency, slots)
-        executor.warmup(num_dummies=1, token_num=warmup_tokens(setup, spec.prompts))
-        for rid, prompt in enumerate(prompts):
-            executor.add_request(rid, prompt)
-        bar = _Progress(f"{spec.name} ({sizing.value})", len(prompts), progress)
-        stats = executor.run(progress=bar)
-        bar.close()
-    else:
-        build = partial(
-            _build_rank,
-            setup=setup,
-            sizing=sizing,
-            max_concurrency=spec.max_concurrency,
-            slots=slots,
-            warmup=warmup_tokens(setup, spec.prompts),
-        )
-        stats = run_disaggregated(build, prompts)
+    bar = progress
+    if not isinstance(bar, _Progress):
+        bar = _Progress(f"{spec.name} ({sizing.value})", len(prompts), bool(progress))
+    try:
+        if spec.mode == "aggregated":
+            executor = build_executor(setup, sizing, spec.max_concurrency, slots)
+            executor.warmup(num_dummies=1, token_num=warmup_tokens(setup, spec.prompts))
+            for rid, prompt in enumerate(prompts):
+                executor.add_request(rid, prompt)
+            stats = executor.run(progress=lambda steps, finished: bar(steps, finished, foreign_accesses(executor)))
+        else:
+            build = partial(
+                _build_rank,
+                setup=setup,
+                sizing=sizing,
+                max_concurrency=spec.max_concurrency,
+                slots=slots,
+                warmup=warmup_tokens(setup, spec.prompts),
+            )
+            stats = run_disaggregated(build, prompts, progress=bar.rank)
+    finally:
+        if bar is not progress:
+            bar.close()
     return stats, prompt_seeds(spec.prompts)
 
 
@@ -234,13 +310,23 @@ def simulate(scenario: Scenario, sizings: list[MirrorSizing], *, progress: bool 
     for new_tokens in dict.fromkeys(spec.setup_for(scenario.setup).max_new_tokens for spec in scenario.runs):
         runs = [s for s in scenario.runs if s.setup_for(scenario.setup).max_new_tokens == new_tokens]
         keys = list(dict.fromkeys((seed, n) for s in runs for seed, n in zip(prompt_seeds(s.prompts), s.prompts)))
-        references[new_tokens] = target_only_outputs(replace(scenario.setup, max_new_tokens=new_tokens), keys)
+        bar = _Progress(f"target-only reference ({new_tokens} new tokens)", len(keys), progress)
+        try:
+            references[new_tokens] = target_only_outputs(
+                replace(scenario.setup, max_new_tokens=new_tokens), keys, progress=bar
+            )
+        finally:
+            bar.close()
     results = []
     for spec in scenario.runs:
         setup = spec.setup_for(scenario.setup)
         reference = references[setup.max_new_tokens]
         for sizing in sizings:
-            stats, seeds = run_one(scenario.setup, spec, sizing, progress=progress)
+            bar = _Progress(f"{spec.name} ({sizing.value})", len(spec.prompts), progress)
+            try:
+                stats, seeds = run_one(scenario.setup, spec, sizing, progress=bar)
+            finally:
+                bar.close()
             matches = None
             if stats.outputs:
                 matches = all(
@@ -270,6 +356,9 @@ def simulate(scenario: Scenario, sizings: list[MirrorSizing], *, progress: bool 
                     tokens_per_s=round(stats.tokens_per_s, 1),
                     wall_s=round(stats.wall_s, 2),
                     draft_pool_occupancy=stats.draft_pool_occupancy,
+                    setup=setup,
+                    max_concurrency=spec.max_concurrency,
+                    plot_trace=PlotTrace(bar.foreign_per_step, setup.pool_requests * draft_pages_per_request(setup)),
                 )
             )
     return results
@@ -309,25 +398,120 @@ def _events(r: RunResult) -> str:
     return " ".join(f"{name}={value}" for name, value in named if value)
 
 
-def write_json(results: list[RunResult], path: str) -> None:
+def write_json(results: list[RunResult], path: str, scenario: Scenario | None = None) -> None:
+    """One record per row; with the `scenario` that ran, each record carries its run's geometry."""
+    records = [r.to_json(scenario) for r in results]
     with open(path, "w") as f:
-        json.dump([r.to_json() for r in results], f, indent=2)
+        json.dump(records, f, indent=2)
+        f.write("\n")
 
 
 def write_plot(results: list[RunResult], path: str) -> None:
+    """One panel per row of the table: draft pages held (all requests) per executor step.
+
+    Each panel draws the pool's capacity and the per-request estimate as lines,
+    the drafter's foreign-page accesses (cumulative) on a secondary axis, and a
+    run that died (resize failure) or refused requests with its error text.
+    Rows of one run sit side by side when both sizings ran.
+    """
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
     except ImportError as err:  # an optional extra
         raise SystemExit(f"--plot needs matplotlib (pip install -e '.[plot]'): {err}") from None
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for r in results:
-        ax.plot(r.draft_pool_occupancy, label=f"{r.name} / {r.sizing}")
-    ax.set_xlabel("executor step")
-    ax.set_ylabel("draft pages held (all requests)")
-    ax.set_title("Draft-pool occupancy")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    n = max(len(results), 1)
+    ncols = 2 if n > 1 else 1
+    nrows = -(-n // ncols)
+    header = 0.55 if ncols > 1 else 0.75  # inches above the panels: title and legend
+    height = 3.0 * nrows + header
+    fig, axes = plt.subplots(nrows, ncols, figsize=(7.2 * ncols, height), squeeze=False)
+    for ax, r in zip(axes.flat, results):
+        _plot_panel(ax, r)
+    for ax in list(axes.flat)[len(results) :]:
+        ax.set_visible(False)
+    handles = [
+        Line2D([], [], color="C0", lw=1.8, label="draft pages held (all requests)"),
+        Line2D([], [], color="0.25", ls="--", lw=1.2, label="draft pool capacity"),
+        Line2D([], [], color="C2", ls=":", lw=1.6, label="estimate per request"),
+        Line2D([], [], color="C3", lw=1.4, label="foreign accesses, cumulative (right axis)"),
+    ]
+    if any(r.resize_failures for r in results):
+        handles.append(Line2D([], [], color="red", ls="-.", lw=1.2, label="the run died (resize failure)"))
+    fig.suptitle(
+        "Draft-pool occupancy per executor step (disaggregated runs: the generation worker)",
+        y=1 - 0.08 / height, va="top", fontsize=10,
+    )
+    fig.legend(
+        handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.32 / height),
+        ncol=len(handles) if ncols > 1 else 3, fontsize=8, frameon=False,
+    )
+    fig.tight_layout(rect=(0, 0, 1, 1 - header / height))
+    panels = "; ".join(f"{r.name}/{r.sizing}" for r in results)
+    metadata = {"Title": "Draft-pool occupancy", "Description": f"{len(results)} panels: {panels}"}
+    fig.savefig(path, dpi=110, metadata=metadata)
+    plt.close(fig)
+
+
+def _plot_panel(ax, r: RunResult) -> None:
+    """One row of the table (see `write_plot`)."""
+    import textwrap
+
+    from matplotlib.ticker import MaxNLocator
+
+    occupancy = list(r.draft_pool_occupancy)
+    trace = getattr(r, "plot_trace", None)
+    est = r.estimated_draft_pages_per_request
+    if trace is not None:
+        capacity = trace.pool_pages
+    else:  # results built elsewhere: the pool holds `pool_requests` charges
+        capacity = (getattr(r, "setup", None) or SimSetup()).pool_requests * est
+    steps = list(range(1, len(occupancy) + 1))
+    ax.plot(steps, occupancy, color="C0", lw=1.8)
+    ax.axhline(capacity, color="0.25", ls="--", lw=1.2)
+    ax.axhline(est, color="C2", ls=":", lw=1.6)
+    ax.text(1.0, capacity, f"pool {capacity}", transform=ax.get_yaxis_transform(), ha="right", va="bottom",
+            fontsize=7, color="0.25")
+    ax.text(1.0, est, f"estimate {est}", transform=ax.get_yaxis_transform(), ha="right", va="bottom", fontsize=7,
+            color="C2")
+    last = max(len(occupancy), 1)
+    ax.set_xlim(0, last + max(1, last // 40))
+    headroom = 1.35 if r.first_error else 1.12  # room for the error text above the capacity line
+    ax.set_ylim(0, max(capacity, max(occupancy, default=0)) * headroom)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("executor step", fontsize=8)
+    ax.set_ylabel("draft pages held", fontsize=8)
+    ax.tick_params(labelsize=7)
+    total = len(r.prompt_tokens)
+    ax.set_title(
+        f"{r.name} / {r.sizing} ({r.mode}): {r.finished}/{total} finished, "
+        f"peak {r.peak_draft_pages_per_request}/{est} pages per request, {r.foreign_page_accesses:,} foreign",
+        fontsize=8.5,
+    )
+    # foreign accesses: their own axis (zero is a flat line at the bottom)
+    twin = ax.twinx()
+    foreign = list(trace.foreign_per_step) if trace is not None else []
+    if foreign:
+        twin.plot(range(1, len(foreign) + 1), foreign, color="C3", lw=1.4)
+    elif r.foreign_page_accesses:  # no per-step trace: the total at the last step
+        twin.plot([last], [r.foreign_page_accesses], "o", color="C3")
+    top = max(foreign + [r.foreign_page_accesses])
+    twin.set_ylim(0, max(top, 1) * headroom)
+    twin.yaxis.set_major_locator(MaxNLocator(integer=True))
+    twin.set_ylabel("foreign accesses", fontsize=8, color="C3")
+    twin.tick_params(labelsize=7, colors="C3")
+    # the failure, with its error text
+    if r.first_error:
+        died = r.resize_failures > 0
+        if died:
+            ax.axvline(len(occupancy) + 0.5, color="red", ls="-.", lw=1.2)
+        head = ""
+        if died:
+            head = f"died after {len(occupancy)} steps: " if occupancy else "died before its first step: "
+        color = "red" if died else "C1"
+        ax.text(
+            0.02, 0.97, textwrap.fill(head + r.first_error, width=70), transform=ax.transAxes, ha="left", va="top",
+            fontsize=6.8, color=color, bbox=dict(boxstyle="round,pad=0.3", fc="white", ec=color, alpha=0.9),
+        )
