@@ -1,6 +1,6 @@
 """Capacity planning: pages and bytes per request and the concurrency a pool budget allows.
 
-Every group is charged two ways (`budget.group_pages_per_request`):
+Every group is charged two ways (`admission.request_charge`, the estimator's one wrapper):
 
 - **aligned**: every context chunk starts at a multiple of the chunk from position
   0, which is what a fixed-chunk prefill gives;
@@ -23,9 +23,9 @@ import torch
 
 from ..config import LayerGroupConfig, SpeculativeDecodingMode
 from . import rules
+from .admission import request_charge
 from .budget import (
     bytes_per_page,
-    group_pages_per_request,
     max_concurrency,
     pages_for_quota,
 )
@@ -243,22 +243,21 @@ def plan_pool(
     if (budget_bytes is None) == (max_tokens is None):
         raise ValueError("give exactly one of budget_bytes and max_tokens")
     p = geometry.tokens_per_block
-    per_group = []
-    for g in geometry.layer_groups:
-        aligned, unaligned = (
-            group_pages_per_request(
-                g.window,
-                p,
-                max_seq_len=max_seq_len,
-                chunk=chunk,
-                max_draft_len=max_draft_len,
-                num_extra_kv_tokens=num_extra_kv_tokens,
-                trail_tokens=trail_tokens,
-                sink_blocks=g.sink_blocks,
-                chunk_alignment=alignment,
-            )
-            for alignment in (True, False)
+    aligned_charge, unaligned_charge = (
+        request_charge(
+            geometry.layer_groups,
+            p,
+            chunk=chunk,
+            max_seq_len=max_seq_len,
+            max_draft_len=max_draft_len,
+            num_extra_kv_tokens=num_extra_kv_tokens,
+            trail_tokens=trail_tokens,
+            aligned=alignment,
         )
+        for alignment in (True, False)
+    )
+    per_group = []
+    for g, aligned, unaligned in zip(geometry.layer_groups, aligned_charge, unaligned_charge):
         page_bytes, page_bytes_per_rank = (
             bytes_per_page(g, tokens_per_block=p, num_kv_heads=heads, head_dim=geometry.head_dim,
                            dtype=geometry.dtype, kv_factor=geometry.kv_factor)
