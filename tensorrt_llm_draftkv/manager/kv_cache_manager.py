@@ -69,7 +69,10 @@ class KVCacheManagerV2:
     @property
     def sizing_rules(self) -> rules.StepSizing:
         """(capacity, history) per phase for this manager's caches (see `rules.StepSizing`)."""
-        return rules.StepSizing(self.max_draft_len, self.num_extra_kv_tokens, self._mirror_policy)
+        key = (self.max_draft_len, self.num_extra_kv_tokens, self._mirror_policy)
+        if getattr(self, "_sizing_key", None) != key:  # rebuilt only if the manager's numbers change
+            self._sizing_key, self._sizing = key, rules.StepSizing(*key)
+        return self._sizing
 
     @property
     def _draft_slot_trail_tokens(self) -> int:
@@ -191,31 +194,35 @@ class KVCacheManagerV2:
         """All or nothing over a batch: on any exception every cache named is put back.
 
         Caches that did not exist when the transaction began and exist at the
-        failure are freed and dropped; existing ones are restored to their
-        checkpoint (pages released since are taken back, pages gained given back).
+        failure are freed and dropped; existing ones roll their undo journal back
+        (pages released since are taken back, pages gained given back).
         """
-        undo: list[tuple[int, tuple | None]] = []
+        existing: list[KVCache] = []
+        fresh: list[int] = []
         for rid in dict.fromkeys(request_ids):
             cache = self._caches.get(rid)
-            undo.append((rid, None if cache is None else cache.checkpoint()))
+            if cache is None:
+                fresh.append(rid)
+            else:
+                cache.begin_journal()  # O(changes) undo, not a copy of every row
+                existing.append(cache)
         free_lists = [pool.free_order() for pool in self.pools()]
         try:
             yield
         except BaseException:
-            for rid, state in reversed(undo):
-                cache = self._caches.get(rid)
-                if cache is None:
-                    continue
-                if state is None:
-                    del self._caches[rid]
+            for rid in reversed(fresh):
+                cache = self._caches.pop(rid, None)
+                if cache is not None:
                     cache.free()
-                else:
-                    cache.restore(state)
+            for cache in reversed(existing):
+                cache.rollback_journal()
             # The same pages are free again; put them back in the same order, so the
             # next allocation is the one it would have been (bit-identical state).
             for pool, order in zip(self.pools(), free_lists):
                 pool.reorder_free(order)
             raise
+        for cache in existing:
+            cache.end_journal()
 
     def prepare_resources(self, batch: ScheduledRequests) -> None:
         """Size every request's cache for this step (context chunk or generation step).

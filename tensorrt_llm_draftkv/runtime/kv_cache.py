@@ -7,6 +7,7 @@ pool, with BAD_PAGE_INDEX where nothing backs the ordinal.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .life_cycle import LifeCycle
 from .page_pool import BAD_PAGE_INDEX, PagePool
@@ -22,6 +23,24 @@ class LayerGroup:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class _GroupPlan(NamedTuple):
+    """What one resize does to one group's row (ordinals are block ordinals)."""
+
+    release: list[int]  # pages given back
+    clear: list[int]  # ordinals that lose their page (stay inside the row)
+    allocate: list[int]  # ordinals that get a fresh page
+    new_len: int  # the row's length afterwards (ceil(capacity / P))
+    settled: int  # ordinals below this never change again
+
+
+class _Undo(NamedTuple):
+    """One resize, as the journal records it: enough to put row, pools and scalars back."""
+
+    scalars: tuple[int, int, int]
+    settled: tuple[int, ...]
+    groups: list[tuple[int, list[tuple[int, int]], list[int], list[int]]]  # (old len, old entries, released, allocated)
 
 
 class KVCache:
@@ -49,6 +68,8 @@ class KVCache:
         # Per group: ordinals below this never change again (released or sinks),
         # so a resize only walks the rest of the row.
         self._settled: list[int] = [0 for _ in groups]
+        self._held: list[int] = [0 for _ in groups]  # backed entries per row, kept by every change
+        self._journal: list[_Undo] | None = None
         self.closed = False
 
     # -- queries ----------------------------------------------------------------
@@ -70,9 +91,8 @@ class KVCache:
         return [p for p in self._rows[group] if p != BAD_PAGE_INDEX]
 
     def num_held_pages(self, group: int | None = None) -> int:
-        if group is not None:
-            return len(self.held_pages(group))
-        return sum(len(self.held_pages(g)) for g in range(len(self.groups)))
+        """Pages the cache holds (in one group, or all): a counter, not a scan."""
+        return self._held[group] if group is not None else sum(self._held)
 
     # -- the one mutator ----------------------------------------------------------
     def resize(self, capacity: int | None, history_length: int | None = None) -> bool:
@@ -87,19 +107,38 @@ class KVCache:
         plans = [self._plan_group(g, new_capacity, new_history) for g in range(len(self.groups))]
         if not self._fits(plans):
             return False
+        undo = _Undo((self.capacity, self.history_length, self.committed), tuple(self._settled), [])
         # Release everything first: groups may share one pool, and one group's
         # growth may then need the pages another group gives back.
-        for g, (_, release, _, _) in enumerate(plans):
-            self.groups[g].pool.release(release, owner=self.owner)
-        for g, (row, release, allocate, settled) in enumerate(plans):
-            pool = self.groups[g].pool
-            for ordinal, page in zip(allocate, pool.allocate(len(allocate), owner=self.owner)):
-                row[ordinal] = page
-            self._rows[g] = row
-            self._settled[g] = settled
+        for g, plan in enumerate(plans):
+            self.groups[g].pool.release(plan.release, owner=self.owner)
+        for g, plan in enumerate(plans):
+            pages = self.groups[g].pool.allocate(len(plan.allocate), owner=self.owner)
+            undo.groups.append(self._apply(g, plan, pages))
         self.capacity = new_capacity
         self.history_length = new_history
+        if self._journal is not None:
+            self._journal.append(undo)
         return True
+
+    def _apply(self, g: int, plan: _GroupPlan, pages: list[int]) -> tuple[int, list[tuple[int, int]], list[int], list[int]]:
+        """Edit the row in place (only the ordinals that change); return what undoes it."""
+        row = self._rows[g]
+        old_len = len(row)
+        saved = [(o, row[o]) for o in plan.clear]
+        if plan.new_len < old_len:
+            saved += [(o, row[o]) for o in range(plan.new_len, old_len)]
+            del row[plan.new_len :]
+        else:
+            row.extend([BAD_PAGE_INDEX] * (plan.new_len - old_len))
+        for o in plan.clear:
+            row[o] = BAD_PAGE_INDEX
+        for o, page in zip(plan.allocate, pages):
+            saved.append((o, BAD_PAGE_INDEX))
+            row[o] = page
+        self._held[g] += len(pages) - len(plan.release)
+        self._settled[g] = plan.settled
+        return old_len, saved, plan.release, pages
 
     def _validated(self, capacity: int | None, history_length: int | None) -> tuple[int, int]:
         if self.closed:
@@ -127,35 +166,46 @@ class KVCache:
     def _fits(self, plans) -> bool:
         # Summed per pool: layer groups that share one pool draw on one free list.
         balance: dict[int, int] = {}
-        for g, (_, release, allocate, _) in enumerate(plans):
+        for g, plan in enumerate(plans):
             pool = self.groups[g].pool
-            balance[id(pool)] = balance.get(id(pool), pool.num_free) + len(release) - len(allocate)
+            balance[id(pool)] = balance.get(id(pool), pool.num_free) + len(plan.release) - len(plan.allocate)
         return all(left >= 0 for left in balance.values())
 
-    def _plan_group(self, g: int, capacity: int, history: int) -> tuple[list[int], list[int], list[int], int]:
-        """New row (allocations still BAD), pages to release, ordinals to allocate, new settled mark."""
+    def _plan_group(self, g: int, capacity: int, history: int) -> _GroupPlan:
+        """What a resize to (capacity, history) does to group g, walking only ordinals that can change."""
         old = self._rows[g]
-        num_blocks = _ceil_div(capacity, self.tokens_per_block)
-        lo, hi = self.groups[g].life_cycle.stale_range(history, self.tokens_per_block)
+        P = self.tokens_per_block
+        num_blocks = _ceil_div(capacity, P)
+        life_cycle = self.groups[g].life_cycle
+        lo, hi = life_cycle.stale_range(history, P)
         # Stale ranges only grow with history and capacity never drops below
-        # history, so everything below the previous stale end is final.
+        # history, so everything below the previous settled mark is final.
         start = min(self._settled[g], len(old), num_blocks)
-        row: list[int] = old[:start]
         release: list[int] = []
+        clear: list[int] = []
         allocate: list[int] = []
-        for ordinal in range(start, max(num_blocks, len(old))):
+        # Every ordinal in [settled, len) outside the stale range is backed (each resize
+        # leaves it so), and stale ranges only grow. So only three spans can change: the
+        # newly stale ordinals [start, hi), the growth [len, num_blocks) and the shrink
+        # [num_blocks, len): O(blocks that change), not O(row).
+        kept = min(len(old), num_blocks)
+        walk = [range(start, min(max(hi, start), kept)), range(kept, max(num_blocks, len(old)))]
+        for ordinal in (o for span in walk for o in span):
             page = old[ordinal] if ordinal < len(old) else BAD_PAGE_INDEX
             keep = ordinal < num_blocks and not (lo <= ordinal < hi)
             if not keep:
                 if page != BAD_PAGE_INDEX:
                     release.append(page)
-                if ordinal < num_blocks:
-                    row.append(BAD_PAGE_INDEX)
-                continue
-            row.append(page)
-            if page == BAD_PAGE_INDEX:
+                    if ordinal < num_blocks:
+                        clear.append(ordinal)
+            elif page == BAD_PAGE_INDEX:
                 allocate.append(ordinal)
-        return row, release, allocate, max(hi, start) if hi > lo else start
+        if life_cycle.window is None:
+            # Full attention never releases: every block wholly below history is final.
+            settled = max(start, min(history // P, num_blocks))
+        else:
+            settled = max(hi, start) if hi > lo else start
+        return _GroupPlan(release, clear, allocate, num_blocks, settled)
 
     def commit(self, tokens: int) -> None:
         """Publish `tokens` for prefix reuse; committed <= history."""
@@ -174,7 +224,9 @@ class KVCache:
             self.groups[g].pool.release([p for p in row if p != BAD_PAGE_INDEX], owner=self.owner)
             self._rows[g] = []
             self._settled[g] = 0
+            self._held[g] = 0
         self.capacity = self.history_length = self.committed = 0
+        self._journal = None
         self.closed = True
 
     def checkpoint(self) -> tuple:
@@ -202,5 +254,35 @@ class KVCache:
             self.groups[g].pool.take(sorted(held_then - held_now), owner=self.owner)
         self._rows = [list(r) for r in rows]
         self._settled = list(settled)
+        self._held = [sum(1 for p in r if p != BAD_PAGE_INDEX) for r in self._rows]
         self.capacity, self.history_length, self.committed = capacity, history, committed
+
+    # -- the undo journal (what a batch transaction rolls back) ----------------------------
+    def begin_journal(self) -> None:
+        """Record every resize from now on, so `rollback_journal` can undo them; O(changes), not O(row)."""
+        if self._journal is not None:
+            raise ValueError(f"cache {self.name!r}: a journal is already open")
+        self._journal = []
+
+    def end_journal(self) -> None:
+        """Keep the changes; stop recording."""
+        self._journal = None
+
+    def rollback_journal(self) -> None:
+        """Undo every resize since `begin_journal`, latest first, pages and rows included."""
+        records, self._journal = self._journal or [], None
+        for undo in reversed(records):
+            for g, (old_len, saved, released, allocated) in enumerate(undo.groups):
+                pool = self.groups[g].pool
+                pool.release(list(allocated), owner=self.owner)
+                row = self._rows[g]
+                if len(row) < old_len:
+                    row.extend([BAD_PAGE_INDEX] * (old_len - len(row)))
+                for o, page in reversed(saved):
+                    row[o] = page
+                del row[old_len:]
+                pool.take(list(released), owner=self.owner)
+                self._held[g] += len(released) - len(allocated)
+            self.capacity, self.history_length, self.committed = undo.scalars
+            self._settled = list(undo.settled)
 
