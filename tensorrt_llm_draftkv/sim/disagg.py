@@ -159,16 +159,10 @@ def admit_transfer(item: Transfer, executor) -> LlmRequest:
     return req
 
 
-def _worker(
-    rank: int, port: int, backend: str, build: Callable[[int], Any], prompts: list[torch.Tensor], queue,
-    progress: bool = False,
-) -> None:
-    """One rank. Messages to the parent: `(rank, "progress", (steps, finished, foreign))` after each
+def _run_job(rank: int, build: Callable[[int], Any], prompts: list[torch.Tensor], progress: bool, queue) -> None:
+    """One run on one rank: messages `(rank, "progress", (steps, finished, foreign))` after each
     step when `progress`, then `(rank, "result", value)` once (`{"crash": traceback}` on an error)."""
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
         result = build(rank)
         report = None
         if progress:
@@ -179,6 +173,18 @@ def _worker(
             queue.put((rank, "result", None))
         else:
             queue.put((rank, "result", _generation_rank(result, report)))
+    except BaseException:  # report, never hang the parent
+        queue.put((rank, "result", {"crash": traceback.format_exc()}))
+
+
+def _worker(rank: int, port: int, backend: str, jobs, queue) -> None:
+    """One rank process: joins the group once, then runs every job the parent sends until None."""
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        while (job := jobs.get()) is not None:
+            _run_job(rank, *job, queue)
     except BaseException:  # report, never hang the parent
         queue.put((rank, "result", {"crash": traceback.format_exc()}))
     finally:
@@ -239,60 +245,101 @@ def _generation_rank(executor, report: Callable[[Any], None] | None = None):
     return executor.finish()
 
 
+class RankPool:
+    """Two rank processes (context worker, generation worker) kept for several runs.
+
+    Spawning a rank and importing torch costs seconds; a scenario of several
+    disaggregated runs pays it once. `run` is one run; `close` ends the ranks.
+    """
+
+    def __init__(self, backend: str | None = None) -> None:
+        import torch.multiprocessing as mp
+
+        self.backend = backend or ("nccl" if torch.cuda.device_count() >= 2 else "gloo")
+        ctx = mp.get_context("spawn")
+        self.queue = ctx.Queue()
+        self.jobs = [ctx.Queue() for _ in range(2)]
+        port = free_port()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, port, self.backend, self.jobs[r], self.queue)) for r in range(2)
+        ]
+        for p in self.procs:
+            p.start()
+        self.broken = False
+
+    def run(self, build: Callable[[int], Any], prompts: list[torch.Tensor], progress: RankProgress | None = None):
+        """One disaggregated run on the kept ranks; returns the generation rank's result."""
+        if self.broken:
+            raise RuntimeError("the disaggregated ranks are gone (an earlier run failed)")
+        for jobs in self.jobs:
+            jobs.put((build, prompts, progress is not None))
+        results: dict[int, Any] = {}
+        try:
+            while len(results) < 2:
+                rank, kind, value = self._next(results)
+                if kind == "progress":
+                    if progress is not None:
+                        progress(rank, *value)
+                    continue
+                results[rank] = value
+                if isinstance(value, dict) and "crash" in value:
+                    raise RuntimeError(f"disaggregated rank {rank} crashed:\n{value['crash']}")
+        except BaseException:
+            self.broken = True
+            self.close(force=True)
+            raise
+        return results[1]
+
+    def _next(self, results: dict[int, Any]):
+        while True:
+            try:
+                return self.queue.get(timeout=1.0)
+            except _queue.Empty:
+                # A rank that died before reporting would leave the parent waiting forever;
+                # a rank that did report has flushed its result first, so try the pipe once more.
+                gone = [r for r, p in enumerate(self.procs) if r not in results and p.exitcode is not None]
+                if not gone:
+                    continue
+                try:
+                    return self.queue.get(timeout=5.0)
+                except _queue.Empty:
+                    codes = {r: self.procs[r].exitcode for r in gone}
+                    raise RuntimeError(
+                        f"disaggregated rank(s) {gone} exited without reporting (exit codes {codes})"
+                    ) from None
+
+    def close(self, force: bool = False) -> None:
+        for p, jobs in zip(self.procs, self.jobs):
+            if force and p.is_alive():
+                p.terminate()  # its peer is gone: it would wait on the wire forever
+            elif p.is_alive():
+                jobs.put(None)
+        for p in self.procs:
+            p.join()
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.broken:
+            self.close()
+
+
 def run_disaggregated(
     build: Callable[[int], Any],
     prompts: list[torch.Tensor],
     *,
     backend: str | None = None,
     progress: RankProgress | None = None,
+    pool: RankPool | None = None,
 ):
     """Run both ranks in child processes; returns the generation rank's result.
 
-    `progress(rank, steps, finished, foreign)` is called here, in the parent, after every
-    step either rank runs (the ranks send it through the result queue).
+    `pool`: ranks kept across runs (see `RankPool`); without one, two ranks are
+    spawned for this run alone. `progress(rank, steps, finished, foreign)` is called
+    here, in the parent, after every step either rank runs.
     """
-    import torch.multiprocessing as mp
-
-    if backend is None:
-        backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, port, backend, build, prompts, queue, progress is not None))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    results = {}
-    failed = True
-    try:
-        while len(results) < len(procs):
-            try:
-                rank, kind, value = queue.get(timeout=1.0)
-            except _queue.Empty:
-                # A rank that died before reporting (killed, crashed while starting)
-                # would leave the parent waiting forever; a rank that did report has
-                # flushed its result before exiting, so give the pipe one last chance.
-                gone = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
-                if not gone:
-                    continue
-                try:
-                    rank, kind, value = queue.get(timeout=5.0)
-                except _queue.Empty:
-                    codes = {r: procs[r].exitcode for r in gone}
-                    raise RuntimeError(f"disaggregated rank(s) {gone} exited without reporting (exit codes {codes})")
-            if kind == "progress":
-                if progress is not None:
-                    progress(rank, *value)
-                continue
-            results[rank] = value
-            if isinstance(value, dict) and "crash" in value:
-                raise RuntimeError(f"disaggregated rank {rank} crashed:\n{value['crash']}")
-        failed = False
-    finally:
-        for p in procs:
-            if failed and p.is_alive():
-                p.terminate()  # its peer is gone: it would wait on the wire forever
-            p.join()
-    return results[1]
+    if pool is not None:
+        return pool.run(build, prompts, progress)
+    with RankPool(backend) as own:
+        return own.run(build, prompts, progress)

@@ -22,7 +22,7 @@ from ..manager import DraftKVCacheManagerV2, KVCacheManagerV2
 from ..manager.budget import group_pages_per_request
 from ..manager import rules
 from ..manager.rules import MirrorSizing
-from .disagg import foreign_accesses, run_disaggregated
+from .disagg import RankPool, foreign_accesses, run_disaggregated
 from .drafting import build_speculator
 from .engine import Executor, RunStats
 from .prompts import phrase_prompt
@@ -273,8 +273,10 @@ def run_one(
     sizing: MirrorSizing,
     *,
     progress: bool | _Progress = False,
+    ranks: RankPool | None = None,
 ) -> tuple[RunStats, list[int]]:
-    """One run. `progress`: draw a bar on stderr (True), or a `_Progress` to report to (bar and trace)."""
+    """One run. `progress`: draw a bar on stderr (True), or a `_Progress` to report to (bar and trace);
+    `ranks`: rank processes kept across disaggregated runs (else spawned for this run)."""
     setup = spec.setup_for(setup)
     prompts = _prompts(setup, spec.prompts)
     slots = spec.drafter_slots or setup.drafter_slots
@@ -297,7 +299,7 @@ def run_one(
                 slots=slots,
                 warmup=warmup_tokens(setup, spec.prompts),
             )
-            stats = run_disaggregated(build, prompts, progress=bar.rank)
+            stats = run_disaggregated(build, prompts, progress=bar.rank, pool=ranks)
     finally:
         if bar is not progress:
             bar.close()
@@ -318,13 +320,25 @@ def simulate(scenario: Scenario, sizings: list[MirrorSizing], *, progress: bool 
         finally:
             bar.close()
     results = []
+    # Two rank processes for every disaggregated run: spawning them costs seconds each time.
+    ranks = RankPool() if any(spec.mode == "disaggregated" for spec in scenario.runs) else None
+    try:
+        results = _run_all(scenario, sizings, references, progress, ranks)
+    finally:
+        if ranks is not None and not ranks.broken:
+            ranks.close()
+    return results
+
+
+def _run_all(scenario: Scenario, sizings, references, progress, ranks) -> list[RunResult]:
+    results: list[RunResult] = []
     for spec in scenario.runs:
         setup = spec.setup_for(scenario.setup)
         reference = references[setup.max_new_tokens]
         for sizing in sizings:
             bar = _Progress(f"{spec.name} ({sizing.value})", len(spec.prompts), progress)
             try:
-                stats, seeds = run_one(scenario.setup, spec, sizing, progress=bar)
+                stats, seeds = run_one(scenario.setup, spec, sizing, progress=bar, ranks=ranks)
             finally:
                 bar.close()
             matches = None

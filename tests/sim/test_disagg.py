@@ -66,3 +66,19 @@ def test_a_rank_that_dies_without_reporting_is_an_error_not_a_hang():
     assert isinstance(err, RuntimeError), err
     assert "exited without reporting" in str(err) and "1" in str(err)
     assert time.monotonic() - started < 90
+
+
+def test_kept_ranks_run_several_disaggregated_runs_with_the_same_processes():
+    from tensorrt_llm_draftkv.sim.disagg import RankPool
+
+    spec = RunSpec("kept-ranks", "disaggregated", (600, 700), 2)
+    setup = replace(SMALL, max_new_tokens=8)
+    with RankPool("gloo") as ranks:
+        pids = [p.pid for p in ranks.procs]
+        first, _ = run_one(setup, spec, MirrorSizing.HISTORY, ranks=ranks)
+        second, _ = run_one(setup, spec, MirrorSizing.LEGACY, ranks=ranks)
+        third, _ = run_one(setup, spec, MirrorSizing.HISTORY, ranks=ranks)
+        assert [p.pid for p in ranks.procs] == pids and all(p.is_alive() for p in ranks.procs)
+    assert first.finished == third.finished == 2 and first.outputs == third.outputs
+    assert second.finished == 2  # the legacy run in between leaves the ranks usable
+    assert all(p.exitcode == 0 for p in ranks.procs)  # closed cleanly
