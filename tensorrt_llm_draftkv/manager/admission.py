@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from ..config import LayerGroupConfig
 from ..runtime.life_cycle import LifeCycle
 from . import rules
-from .budget import group_pages_per_request, windowed_pages_per_request
+from .budget import group_pages_per_request
 
 
 def _ceil_div(a: int, b: int) -> int:

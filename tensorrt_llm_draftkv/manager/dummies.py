@@ -1,6 +1,7 @@
 """CUDA-graph warmup dummies, in upstream TensorRT-LLM's call shape.
 
 Positions are absolute: a dummy of n tokens sits at position n - 1.
+`add_dummy_requests` is a `KVCacheManagerV2` method (hence `self`), kept here.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
 
 
 def add_dummy_requests(
-    manager: KVCacheManagerV2,
+    self: KVCacheManagerV2,
     request_ids: Iterable[int],
     token_nums: Iterable[int] | None = None,
     is_gen: bool = False,
@@ -30,16 +31,16 @@ def add_dummy_requests(
 
     Dummy i holds `token_nums[i]` tokens (default `1 + max_num_draft_tokens`, as
     upstream) and room above them for `max_num_draft_tokens` drafts, this
-    manager's `num_extra_kv_tokens` and `num_extra_decoding_steps` (the extra
+    self's `num_extra_kv_tokens` and `num_extra_decoding_steps` (the extra
     autoregressive steps of a capturable drafting loop). `is_gen` (default False,
     as upstream) makes them generation requests, with `py_draft_tokens` of
     `max_num_draft_tokens` placeholders; `history_hint` lets a windowed pool back
     only the window (a generation dummy's history is the hint clamped to its
     own position, `tokens - 1`). `prepare_resource=False` builds the requests
-    and reserves nothing, in either manager.
+    and reserves nothing, in either self.
 
     `draft_kv_cache_manager`: the same dummies (ids, token counts, `is_gen`,
-    drafts) are added there too, sized by that manager (its own extra tokens;
+    drafts) are added there too, sized by that self (its own extra tokens;
     the hint through its own `_dummy_history` rule; no extra decoding steps,
     as upstream). All or nothing across both managers: if either side fails,
     neither keeps a dummy and both pools' free lists are as they were.
@@ -52,7 +53,7 @@ def add_dummy_requests(
     request_ids = list(request_ids)
     token_nums = [1 + max_num_draft_tokens] * len(request_ids) if token_nums is None else list(token_nums)
     _check_dummies(
-        manager, request_ids, token_nums, max_num_draft_tokens, max_beam_width, num_extra_decoding_steps,
+        self, request_ids, token_nums, max_num_draft_tokens, max_beam_width, num_extra_decoding_steps,
         draft_kv_cache_manager,
     )
     made: list[LlmRequest] = []
@@ -64,16 +65,16 @@ def add_dummy_requests(
         made.append(req)
     if not prepare_resource:
         return made
-    with manager._batch_transaction(request_ids):
-        hint = manager.sizing_rules.dummy_history(history_hint)
+    with self._batch_transaction(request_ids):
+        hint = self.sizing_rules.dummy_history(history_hint)
         for req, tokens in zip(made, token_nums):
-            capacity = tokens + max_num_draft_tokens + manager.num_extra_kv_tokens + num_extra_decoding_steps
+            capacity = tokens + max_num_draft_tokens + self.num_extra_kv_tokens + num_extra_decoding_steps
             # A generation dummy's next token sits at tokens - 1: more history than
             # that would release pages its drafter slot, seeded there, still reads.
             history = None if hint is None else min(hint, tokens - 1 if is_gen else capacity)
-            manager._resize_or_raise(req, "dummy", lambda r, c, cap=capacity, h=history: (cap, h))
+            self._resize_or_raise(req, "dummy", lambda r, c, cap=capacity, h=history: (cap, h))
         if draft_kv_cache_manager is not None:
-            # Raising here unwinds this manager's dummies too (the transaction above).
+            # Raising here unwinds this self's dummies too (the transaction above).
             draft_kv_cache_manager.add_dummy_requests(
                 request_ids,
                 token_nums,

@@ -2,6 +2,7 @@
 
 Entry `[pool, row, k, i]` is `page * kv_factor + k` for the page backing block
 ordinal i (absolute positions `[i*P, (i+1)*P)`); K at k = 0, V at k = 1.
+The public functions are `KVCacheManagerV2` methods (hence `self`), kept here.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from .kv_cache_manager import KVCacheManagerV2
 
 
-def get_block_offsets(manager: KVCacheManagerV2, request_ids: Iterable[int], backend: str = "cpp") -> torch.Tensor:
+def get_block_offsets(self: KVCacheManagerV2, request_ids: Iterable[int], backend: str = "cpp") -> torch.Tensor:
     """int32 `[num_pools, B, 2, max_blocks_per_seq]` block offsets, by block ordinal.
 
     Entry `[p, b, k, i]` is `page * kv_factor + k` for the page backing ordinal i
@@ -28,9 +29,9 @@ def get_block_offsets(manager: KVCacheManagerV2, request_ids: Iterable[int], bac
     if backend not in ("cpp", "python"):
         raise ValueError(f"unknown block-offset backend {backend!r}; use 'cpp' or 'python'")
     ids = list(request_ids)
-    caches = [manager.get_cache(rid) for rid in ids]
-    width = manager.config.max_blocks_per_seq
-    out = block_offset_array(manager, ids, caches, backend, width, f"max_blocks_per_seq={width}")
+    caches = [self.get_cache(rid) for rid in ids]
+    width = self.config.max_blocks_per_seq
+    out = block_offset_array(self, ids, caches, backend, width, f"max_blocks_per_seq={width}")
     return torch.from_numpy(out.astype(np.int32))
 
 
@@ -59,7 +60,7 @@ def block_offset_array(
 
 
 def copy_batch_block_offsets(
-    manager: KVCacheManagerV2,
+    self: KVCacheManagerV2,
     dst_tensor: torch.Tensor,
     request_ids: Iterable[int],
     beam_width: int,
@@ -70,7 +71,7 @@ def copy_batch_block_offsets(
     """Upstream's call: write the batch's block offsets into `dst_tensor`, in place.
 
     `dst_tensor` is the caller's int32 `[num_pools, >= num_seqs, 2, >= width]`
-    tensor on this manager's device, `width` being `max_blocks` or else
+    tensor on this self's device, `width` being `max_blocks` or else
     `config.max_blocks_per_seq`. Row i of every pool gets `request_ids[i]`'s
     entries, exactly `get_block_offsets(request_ids, "cpp")[:, i, :, :width]`
     (unbacked blocks as page 0's offset, or the guard page's when the pool has
@@ -81,10 +82,10 @@ def copy_batch_block_offsets(
     any error `dst_tensor` is unchanged.
     """
     ids = list(request_ids)
-    width, width_label = _check_copy_args(manager, dst_tensor, ids, beam_width, num_contexts, num_seqs, max_blocks)
-    manager._require_caches(ids, "copy_batch_block_offsets")
-    caches = [manager._caches[rid] for rid in ids]
-    out = block_offset_array(manager, ids, caches, "cpp", width, width_label)
+    width, width_label = _check_copy_args(self, dst_tensor, ids, beam_width, num_contexts, num_seqs, max_blocks)
+    self._require_caches(ids, "copy_batch_block_offsets")
+    caches = [self._caches[rid] for rid in ids]
+    out = block_offset_array(self, ids, caches, "cpp", width, width_label)
     if num_seqs:
         dst_tensor[:, :num_seqs, :, :width].copy_(torch.from_numpy(out.astype(np.int32)))
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 from typing import Iterable
 
-import torch
 
 from ..config import KVPoolConfig
 from ..request import LlmRequest, ScheduledRequests
@@ -43,6 +42,8 @@ class KVCacheManagerV2:
         self.max_draft_len = max_draft_len
         self.num_extra_kv_tokens = num_extra_kv_tokens
         self._mirror_policy = mirror_policy
+        self._sizing_key: tuple | None = None
+        self._sizing: rules.StepSizing | None = None
         #: Tokens kept below every window for a trailing drafter slot (one page, or 0): the one
         #: answer the drafter's seeding, the estimators and the planner read.
         self.draft_slot_trail_tokens = trail_tokens
@@ -70,7 +71,7 @@ class KVCacheManagerV2:
     def sizing_rules(self) -> rules.StepSizing:
         """(capacity, history) per phase for this manager's caches (see `rules.StepSizing`)."""
         key = (self.max_draft_len, self.num_extra_kv_tokens, self._mirror_policy)
-        if getattr(self, "_sizing_key", None) != key:  # rebuilt only if the manager's numbers change
+        if self._sizing_key != key:  # rebuilt only if the manager's numbers change
             self._sizing_key, self._sizing = key, rules.StepSizing(*key)
         return self._sizing
 
@@ -194,8 +195,8 @@ class KVCacheManagerV2:
         """All or nothing over a batch: on any exception every cache named is put back.
 
         Caches that did not exist when the transaction began and exist at the
-        failure are freed and dropped; existing ones roll their undo journal back
-        (pages released since are taken back, pages gained given back).
+        failure are freed and dropped; existing ones roll their rows back, and every
+        pool undoes its allocations and releases in reverse (free-list order included).
         """
         existing: list[KVCache] = []
         fresh: list[int] = []
@@ -206,23 +207,27 @@ class KVCacheManagerV2:
             else:
                 cache.begin_journal()  # O(changes) undo, not a copy of every row
                 existing.append(cache)
-        free_lists = [pool.free_order() for pool in self.pools()]
+        pools = list({id(p): p for p in self.pools()}.values())
+        for pool in pools:
+            pool.begin_journal()
         try:
             yield
         except BaseException:
             for rid in reversed(fresh):
                 cache = self._caches.pop(rid, None)
                 if cache is not None:
-                    cache.free()
+                    cache.free()  # logged too: the pools' rollback undoes it with the rest
             for cache in reversed(existing):
                 cache.rollback_journal()
-            # The same pages are free again; put them back in the same order, so the
-            # next allocation is the one it would have been (bit-identical state).
-            for pool, order in zip(self.pools(), free_lists):
-                pool.reorder_free(order)
+            # Every page back where it was, free-list order included: bit-identical state.
+            for pool in pools:
+                pool.rollback_journal()
             raise
-        for cache in existing:
-            cache.end_journal()
+        finally:
+            for cache in existing:
+                cache.end_journal()
+            for pool in pools:
+                pool.end_journal()
 
     def prepare_resources(self, batch: ScheduledRequests) -> None:
         """Size every request's cache for this step (context chunk or generation step).
@@ -289,26 +294,7 @@ class KVCacheManagerV2:
                     # prepare reserves the slot, or raises the explicit resize error.
                     cache.resize(max(cache.capacity, history), history)
 
-    def add_dummy_requests(
-        self,
-        request_ids: Iterable[int],
-        token_nums: Iterable[int] | None = None,
-        is_gen: bool = False,
-        prepare_resource: bool = True,
-        max_num_draft_tokens: int = 0,
-        use_mrope: bool = False,
-        max_beam_width: int = 1,
-        num_extra_decoding_steps: int = 0,
-        draft_kv_cache_manager: "KVCacheManagerV2 | None" = None,
-        *,
-        history_hint: int | None = None,
-    ) -> list[LlmRequest]:
-        return dummies.add_dummy_requests(
-            self, request_ids, token_nums, is_gen, prepare_resource, max_num_draft_tokens, use_mrope,
-            max_beam_width, num_extra_decoding_steps, draft_kv_cache_manager, history_hint=history_hint,
-        )
-
-    add_dummy_requests.__doc__ = dummies.add_dummy_requests.__doc__
+    add_dummy_requests = dummies.add_dummy_requests  # upstream's call shape, in its own module
 
     def free_resources(self, req: "LlmRequest | int | ScheduledRequests | Iterable[LlmRequest | int]") -> None:
         """Return every page of one request, or of every request of a batch or list.
@@ -337,22 +323,8 @@ class KVCacheManagerV2:
             self._caches.pop(rid).free()
 
     # -- export -----------------------------------------------------------------
-    def get_block_offsets(self, request_ids: Iterable[int], backend: str = "cpp") -> torch.Tensor:
-        return export.get_block_offsets(self, request_ids, backend)
-
-    def copy_batch_block_offsets(
-        self,
-        dst_tensor: torch.Tensor,
-        request_ids: Iterable[int],
-        beam_width: int,
-        num_contexts: int,
-        num_seqs: int,
-        max_blocks: int | None = None,
-    ) -> None:
-        export.copy_batch_block_offsets(self, dst_tensor, request_ids, beam_width, num_contexts, num_seqs, max_blocks)
-
-    get_block_offsets.__doc__ = export.get_block_offsets.__doc__
-    copy_batch_block_offsets.__doc__ = export.copy_batch_block_offsets.__doc__
+    get_block_offsets = export.get_block_offsets
+    copy_batch_block_offsets = export.copy_batch_block_offsets
 
     def check_accounting(self) -> None:
         """Every pool balances and no page is held by two caches."""

@@ -36,11 +36,12 @@ class _GroupPlan(NamedTuple):
 
 
 class _Undo(NamedTuple):
-    """One resize, as the journal records it: enough to put row, pools and scalars back."""
+    """One resize, as the journal records it: enough to put the rows and scalars back."""
 
     scalars: tuple[int, int, int]
     settled: tuple[int, ...]
-    groups: list[tuple[int, list[tuple[int, int]], list[int], list[int]]]  # (old len, old entries, released, allocated)
+    held: tuple[int, ...]
+    rows: list[tuple[int, list[tuple[int, int]]]]  # per group: (old length, old entries)
 
 
 class KVCache:
@@ -107,21 +108,21 @@ class KVCache:
         plans = [self._plan_group(g, new_capacity, new_history) for g in range(len(self.groups))]
         if not self._fits(plans):
             return False
-        undo = _Undo((self.capacity, self.history_length, self.committed), tuple(self._settled), [])
+        undo = _Undo((self.capacity, self.history_length, self.committed), tuple(self._settled), tuple(self._held), [])
         # Release everything first: groups may share one pool, and one group's
         # growth may then need the pages another group gives back.
         for g, plan in enumerate(plans):
             self.groups[g].pool.release(plan.release, owner=self.owner)
         for g, plan in enumerate(plans):
             pages = self.groups[g].pool.allocate(len(plan.allocate), owner=self.owner)
-            undo.groups.append(self._apply(g, plan, pages))
+            undo.rows.append(self._apply(g, plan, pages))
         self.capacity = new_capacity
         self.history_length = new_history
         if self._journal is not None:
             self._journal.append(undo)
         return True
 
-    def _apply(self, g: int, plan: _GroupPlan, pages: list[int]) -> tuple[int, list[tuple[int, int]], list[int], list[int]]:
+    def _apply(self, g: int, plan: _GroupPlan, pages: list[int]) -> tuple[int, list[tuple[int, int]]]:
         """Edit the row in place (only the ordinals that change); return what undoes it."""
         row = self._rows[g]
         old_len = len(row)
@@ -138,7 +139,7 @@ class KVCache:
             row[o] = page
         self._held[g] += len(pages) - len(plan.release)
         self._settled[g] = plan.settled
-        return old_len, saved, plan.release, pages
+        return old_len, saved
 
     def _validated(self, capacity: int | None, history_length: int | None) -> tuple[int, int]:
         if self.closed:
@@ -269,20 +270,20 @@ class KVCache:
         self._journal = None
 
     def rollback_journal(self) -> None:
-        """Undo every resize since `begin_journal`, latest first, pages and rows included."""
+        """Put rows, counters and scalars back as they were at `begin_journal`, latest resize first.
+
+        The pages themselves go back through the pools' own journals
+        (`PagePool.rollback_journal`), which a batch transaction rolls back with it.
+        """
         records, self._journal = self._journal or [], None
         for undo in reversed(records):
-            for g, (old_len, saved, released, allocated) in enumerate(undo.groups):
-                pool = self.groups[g].pool
-                pool.release(list(allocated), owner=self.owner)
-                row = self._rows[g]
+            for row, (old_len, saved) in zip(self._rows, undo.rows):
                 if len(row) < old_len:
                     row.extend([BAD_PAGE_INDEX] * (old_len - len(row)))
                 for o, page in reversed(saved):
                     row[o] = page
                 del row[old_len:]
-                pool.take(list(released), owner=self.owner)
-                self._held[g] += len(released) - len(allocated)
             self.capacity, self.history_length, self.committed = undo.scalars
             self._settled = list(undo.settled)
+            self._held = list(undo.held)
 

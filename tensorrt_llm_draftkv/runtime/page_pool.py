@@ -62,6 +62,8 @@ class PagePool:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._held: set[int] = set()
         self._listeners: list[PoolListener] = []
+        # While a journal is open: every page handed out ("pop") or returned ("push"), in order.
+        self._log: list[tuple[str, int, object]] | None = None
 
     # -- listeners ----------------------------------------------------------------
     def add_listener(self, fn: PoolListener) -> None:
@@ -97,26 +99,55 @@ class PagePool:
             raise OutOfPagesError(f"asked for {count} pages, {len(self._free)} free of {self.total}")
         pages = [self._free.pop() for _ in range(count)]
         self._held.update(pages)
+        if self._log is not None:
+            self._log.extend(("pop", p, owner) for p in pages)
         self._emit("allocate", pages, owner)
         return pages
 
     def free_order(self) -> list[int]:
-        """The free list in allocation order (last is handed out first), for `reorder_free`."""
+        """The free list in allocation order (last is handed out first)."""
         return list(self._free)
 
-    def reorder_free(self, order: list[int]) -> None:
-        """Put the free list back in an earlier order; it must hold exactly the same pages."""
-        if len(order) != len(self._free) or set(order) != set(self._free):
-            raise ValueError(
-                f"reorder_free needs the same free pages: {len(order)} given, {len(self._free)} free"
-            )
-        self._free = list(order)
+    # -- the journal (what a batch transaction rolls back) ----------------------------------
+    def begin_journal(self) -> None:
+        """Log every allocate and release from now on, so `rollback_journal` can undo them."""
+        if self._log is not None:
+            raise ValueError("this pool's journal is already open")
+        self._log = []
+
+    def end_journal(self) -> None:
+        """Keep the changes; stop logging."""
+        self._log = None
+
+    def rollback_journal(self) -> None:
+        """Undo every allocate and release since `begin_journal`, latest first.
+
+        The free list only ever pops and pushes at its end, so undoing in reverse
+        puts every page back in the very position it had: the pool, its free-list
+        order included, is as it was. Listeners hear the undo as releases and
+        allocations, with the owners that were named.
+        """
+        log, self._log = self._log or [], None
+        runs: list[tuple[str, object, list[int]]] = []  # consecutive undo steps of one kind and owner
+        for kind, page, owner in reversed(log):
+            if runs and runs[-1][:2] == (kind, owner):
+                runs[-1][2].append(page)
+            else:
+                runs.append((kind, owner, [page]))
+        for kind, owner, pages in runs:
+            if kind == "pop":  # handed out: back onto the end, latest first
+                self.release(pages, owner=owner)
+            else:  # returned: it sits at the end again, claim it back
+                self.take(pages, owner=owner)
 
     def take(self, pages: list[int], *, owner: object | None = None) -> None:
         """Claim these particular free pages, all or none (used to undo a release).
 
-        Listeners hear "allocate" with `owner`: the pages are held again.
+        Listeners hear "allocate" with `owner`: the pages are held again. Not while a
+        journal is open (it takes pages from the middle of the free list).
         """
+        if self._log is not None:
+            raise ValueError("take cannot run while this pool's journal is open")
         busy = [p for p in pages if p in self._held]
         if busy or len(set(pages)) != len(pages):
             raise ValueError(f"cannot take pages that are held (or repeated): {sorted(set(busy)) or pages}")
@@ -139,6 +170,8 @@ class PagePool:
         for page in pages:
             self._held.remove(page)
             self._free.append(page)
+        if self._log is not None:
+            self._log.extend(("push", p, owner) for p in pages)
         self._emit("release", pages, owner)
 
     def check_accounting(self) -> None:
