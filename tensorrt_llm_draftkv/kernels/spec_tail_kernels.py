@@ -81,6 +81,11 @@ def _use_triton(impl: Optional[str], device: torch.device) -> bool:
     return False
 
 
+def triton_runs(impl: Optional[str], device: torch.device) -> bool:
+    """Whether a call with this ``impl`` on this device runs a Triton kernel (see the dispatch rules)."""
+    return _use_triton(impl, device)
+
+
 def _launch(name: str, device: torch.device, grid: tuple[int, int], args: Sequence, **meta: Any) -> None:
     interpreted = device.type != "cuda"
     kern = _tk.get_kernel(name, interpreted)

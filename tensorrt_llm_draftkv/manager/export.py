@@ -17,46 +17,177 @@ if TYPE_CHECKING:
     from .kv_cache_manager import KVCacheManagerV2
 
 
-def get_block_offsets(self: KVCacheManagerV2, request_ids: Iterable[int], backend: str = "cpp") -> torch.Tensor:
-    """int32 `[num_pools, B, 2, max_blocks_per_seq]` block offsets, by block ordinal.
+def get_block_offsets(
+    self: KVCacheManagerV2, request_ids: Iterable[int], backend: str = "cpp", *, width: int | str | None = None
+) -> torch.Tensor:
+    """int32 `[num_pools, B, 2, width]` block offsets, by block ordinal.
 
     Entry `[p, b, k, i]` is `page * kv_factor + k` for the page backing ordinal i
     of request b in pool p (K at k=0, V at k=1, in the pool's storage viewed as
     `[pages * kv_factor, ...]`). Unbacked ordinals: `"python"` keeps -1; `"cpp"`
     writes page 0's offset (a page some other request may own) or, when the
     pool has a guard page, the guard page's.
+
+    `width`: None for `max_blocks_per_seq` columns (upstream's shape); `"live"` for
+    the longest row of the batch (every ordinal any of these requests has; the
+    columns past a shorter row read as unbacked); or an int >= that.
     """
     if backend not in ("cpp", "python"):
         raise ValueError(f"unknown block-offset backend {backend!r}; use 'cpp' or 'python'")
     ids = list(request_ids)
     caches = [self.get_cache(rid) for rid in ids]
-    width = self.config.max_blocks_per_seq
-    out = block_offset_array(self, ids, caches, backend, width, f"max_blocks_per_seq={width}")
-    return torch.from_numpy(out.astype(np.int32))
+    width, label = _export_width(self, ids, caches, width)
+    return torch.from_numpy(block_offset_array(self, ids, caches, backend, width, label))
+
+
+def _export_width(
+    manager: KVCacheManagerV2, ids: list[int], caches: list[KVCache], width: int | str | None
+) -> tuple[int, str]:
+    if width is None:
+        width = manager.config.max_blocks_per_seq
+        return width, f"max_blocks_per_seq={width}"
+    if width == "live":
+        return live_width(manager, caches), "the live width"
+    if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 0:
+        raise ValueError(f"{manager.error_label}: export width must be None, 'live' or an int >= 0, got {width!r}")
+    return int(width), f"width={width}"
+
+
+def live_width(manager: KVCacheManagerV2, caches: Iterable[KVCache]) -> int:
+    """The longest row (block ordinals, backed or not) of these caches over every pool."""
+    return max((len(c._rows[p]) for c in caches for p in range(manager.num_pools)), default=0)
+
+
+class _RowMemo:
+    """One cache's row of one pool as a numpy array for one use (K/V offsets of a backend,
+    or pages), updated from the row's settled mark on: ordinals below it never change,
+    so a step converts only the live tail."""
+
+    __slots__ = ("version", "settled", "n", "extent", "k", "v")
+
+    def __init__(self, with_v: bool) -> None:
+        self.version = -1
+        self.settled = 0
+        self.n = 0
+        self.extent = 0  # 1 + the last backed ordinal
+        self.k = np.empty(0, dtype=np.int32)
+        self.v = np.empty(0, dtype=np.int32) if with_v else None
+
+    def refresh(self, cache: KVCache, p: int, scale: int, v_slot: int, fill: int | None) -> None:
+        """Entries `page * scale` (V: `+ v_slot`); `fill` for an unbacked ordinal (None keeps -1)."""
+        row = cache._rows[p]
+        n = len(row)
+        lo = min(self.settled, cache.settled_blocks(p), n, self.n)
+        if n > self.k.size:  # geometric growth: a growing row costs O(change) amortised
+            size = max(n, 2 * self.k.size, 64)
+            self.k = _grown(self.k, size, lo)
+            if self.v is not None:
+                self.v = _grown(self.v, size, lo)
+        if n > lo:
+            pages = np.array(row[lo:n], dtype=np.int64)
+            backed = pages >= 0
+            k_tail = np.where(backed, pages * scale, BAD_PAGE_INDEX if fill is None else fill)
+            self.k[lo:n] = k_tail
+            if self.v is not None:
+                self.v[lo:n] = np.where(backed | (fill is not None), k_tail + v_slot, BAD_PAGE_INDEX)
+        self.extent = _extent(row)
+        self.n, self.settled, self.version = n, cache.settled_blocks(p), cache.version
+
+
+def _grown(a: np.ndarray, size: int, keep: int) -> np.ndarray:
+    out = np.empty(size, dtype=a.dtype)
+    out[:keep] = a[:keep]
+    return out
+
+
+def _memo(cache: KVCache, p: int, use: str, scale: int, v_slot: int, fill: int | None) -> _RowMemo:
+    """`use`: "cpp"/"python" (K and V offsets) or "pages-cpp"/"pages-python" (pages only)."""
+    memo = cache.export_memo.get((p, use))
+    if memo is None:
+        memo = cache.export_memo[(p, use)] = _RowMemo(with_v=not use.startswith("pages"))
+    if memo.version != cache.version:
+        memo.refresh(cache, p, scale, v_slot, fill)
+    return memo
+
+
+def _fill(manager: KVCacheManagerV2, p: int, backend: str) -> int | None:
+    """K offset of an unbacked ordinal in pool p (None: -1, the python backend)."""
+    if backend != "cpp":
+        return None
+    guard = manager.layer_groups[p].pool.guard_page_index
+    return 0 if guard is None else guard * manager.config.kv_factor
 
 
 def block_offset_array(
     manager: KVCacheManagerV2, ids: list[int], caches: list[KVCache], backend: str, width: int, width_label: str
 ) -> np.ndarray:
-    """int64 `[num_pools, len(ids), 2, width]` offsets (see `get_block_offsets`); changes nothing."""
+    """int32 `[num_pools, len(ids), 2, width]` offsets (see `get_block_offsets`); changes no row.
+
+    Cost: the fill of the output plus one copy per row, and each row's entries
+    converted only where they changed since the last export of that row.
+    """
     kv = manager.config.kv_factor
     v_slot = 1 if kv > 1 else 0  # a K-only pool (kv_factor 1) has no separate V slot
-    out = np.full((manager.num_pools, len(ids), 2, width), BAD_PAGE_INDEX, dtype=np.int64)
-    for b, cache in enumerate(caches):
-        for p in range(manager.num_pools):
-            row = np.asarray(cache._rows[p], dtype=np.int64)
-            if row.size > width:
-                raise ValueError(f"request {ids[b]} spans {row.size} blocks, more than {width_label}")
-            out[p, b, 0, : row.size] = np.where(row >= 0, row * kv, BAD_PAGE_INDEX)
-            out[p, b, 1, : row.size] = np.where(row >= 0, row * kv + v_slot, BAD_PAGE_INDEX)
-    if backend == "cpp":
-        for p, group in enumerate(manager.layer_groups):
-            guard = group.pool.guard_page_index
-            fill = 0 if guard is None else guard * kv
-            sub = out[p]
-            sub[:, 0][sub[:, 0] < 0] = fill
-            sub[:, 1][sub[:, 1] < 0] = fill + v_slot
+    _check_width(manager, ids, caches, width, width_label)
+    out = np.empty((manager.num_pools, len(ids), 2, width), dtype=np.int32)  # each entry written once
+    for p in range(manager.num_pools):
+        fill = _fill(manager, p, backend)
+        k_fill = BAD_PAGE_INDEX if fill is None else fill
+        v_fill = BAD_PAGE_INDEX if fill is None else fill + v_slot
+        for b, cache in enumerate(caches):
+            memo = _memo(cache, p, backend, kv, v_slot, fill)
+            n = memo.n
+            out[p, b, 0, :n], out[p, b, 0, n:] = memo.k[:n], k_fill
+            out[p, b, 1, :n], out[p, b, 1, n:] = memo.v[:n], v_fill
     return out
+
+
+def block_tables(
+    self: KVCacheManagerV2, request_ids: Iterable[int], backend: str = "cpp", *, width: int | str | None = "live"
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per pool, `(tables int32 [B, width], extents int64 [B])`: what decoding
+    `get_block_offsets(request_ids, backend, width=width)` yields, without the offsets.
+
+    Tables map block ordinal -> page: -1 where unbacked (`"python"`), page 0 or
+    the guard page (`"cpp"`). Extents are `1 + max{i : backed}` (`"python"`) or
+    the full width (`"cpp"`: an unbacked entry there looks like a page).
+    """
+    if backend not in ("cpp", "python"):
+        raise ValueError(f"unknown block-offset backend {backend!r}; use 'cpp' or 'python'")
+    ids = list(request_ids)
+    caches = [self.get_cache(rid) for rid in ids]
+    width, label = _export_width(self, ids, caches, width)
+    _check_width(self, ids, caches, width, label)
+    kv = self.config.kv_factor
+    result = []
+    for p in range(self.num_pools):
+        fill = _fill(self, p, backend)
+        fill_page = None if fill is None else fill // kv
+        tables = np.empty((len(ids), width), dtype=np.int32)  # every entry is written once below
+        extents = np.full(len(ids), width, dtype=np.int64)
+        for b, cache in enumerate(caches):
+            memo = _memo(cache, p, f"pages-{backend}", 1, 0, fill_page)
+            tables[b, : memo.n] = memo.k[: memo.n]
+            tables[b, memo.n :] = BAD_PAGE_INDEX if fill_page is None else fill_page
+            if fill is None:
+                extents[b] = memo.extent
+        result.append((torch.from_numpy(tables), torch.from_numpy(extents)))
+    return result
+
+
+def _check_width(manager: KVCacheManagerV2, ids: list[int], caches: list[KVCache], width: int, label: str) -> None:
+    for b, cache in enumerate(caches):
+        longest = max((len(cache._rows[p]) for p in range(manager.num_pools)), default=0)
+        if longest > width:
+            raise ValueError(f"request {ids[b]} spans {longest} blocks, more than {label}")
+
+
+def _extent(row: list[int]) -> int:
+    """1 + the last backed ordinal (0 for none); rows almost always end backed."""
+    for i in range(len(row) - 1, -1, -1):
+        if row[i] != BAD_PAGE_INDEX:
+            return i + 1
+    return 0
 
 
 def copy_batch_block_offsets(
@@ -87,7 +218,7 @@ def copy_batch_block_offsets(
     caches = [self._caches[rid] for rid in ids]
     out = block_offset_array(self, ids, caches, "cpp", width, width_label)
     if num_seqs:
-        dst_tensor[:, :num_seqs, :, :width].copy_(torch.from_numpy(out.astype(np.int32)))
+        dst_tensor[:, :num_seqs, :, :width].copy_(torch.from_numpy(out))
 
 
 def _check_copy_args(

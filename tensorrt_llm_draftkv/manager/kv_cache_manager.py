@@ -324,6 +324,7 @@ class KVCacheManagerV2:
 
     # -- export -----------------------------------------------------------------
     get_block_offsets = export.get_block_offsets
+    block_tables = export.block_tables
     copy_batch_block_offsets = export.copy_batch_block_offsets
 
     def check_accounting(self) -> None:

@@ -72,6 +72,12 @@ class KVCache:
         self._held: list[int] = [0 for _ in groups]  # backed entries per row, kept by every change
         self._journal: list[_Undo] | None = None
         self.closed = False
+        #: Bumped by every change of a row: a consumer's derived copy of the rows
+        #: (see `export_memo`) is current while its version matches.
+        self.version = 0
+        #: Derived data a consumer keeps per cache (the block-offset export keeps its
+        #: numpy rows here), dropped with the cache. The cache never reads it.
+        self.export_memo: dict = {}
 
     # -- queries ----------------------------------------------------------------
     @property
@@ -87,6 +93,11 @@ class KVCache:
         """Pages of ordinals [lo, hi) (BAD_PAGE_INDEX where unbacked or past the row)."""
         row = self._rows[group][lo:hi]
         return row + [BAD_PAGE_INDEX] * (hi - lo - len(row))
+
+    def settled_blocks(self, group: int) -> int:
+        """Block ordinals below this keep their entry in every later state of the row (a
+        rollback or restore may lower it again: it describes the state the cache is in now)."""
+        return self._settled[group]
 
     def held_pages(self, group: int) -> list[int]:
         return [p for p in self._rows[group] if p != BAD_PAGE_INDEX]
@@ -116,6 +127,7 @@ class KVCache:
         for g, plan in enumerate(plans):
             pages = self.groups[g].pool.allocate(len(plan.allocate), owner=self.owner)
             undo.rows.append(self._apply(g, plan, pages))
+        self.version += 1
         self.capacity = new_capacity
         self.history_length = new_history
         if self._journal is not None:
@@ -229,6 +241,8 @@ class KVCache:
         self.capacity = self.history_length = self.committed = 0
         self._journal = None
         self.closed = True
+        self.version += 1
+        self.export_memo = {}
 
     def checkpoint(self) -> tuple:
         """Everything that defines this cache, immutable: what `restore` returns to, and what
@@ -257,6 +271,8 @@ class KVCache:
         self._settled = list(settled)
         self._held = [sum(1 for p in r if p != BAD_PAGE_INDEX) for r in self._rows]
         self.capacity, self.history_length, self.committed = capacity, history, committed
+        self.version += 1
+        self.export_memo = {}  # the settled marks went back: derived rows start over
 
     # -- the undo journal (what a batch transaction rolls back) ----------------------------
     def begin_journal(self) -> None:
@@ -276,6 +292,9 @@ class KVCache:
         (`PagePool.rollback_journal`), which a batch transaction rolls back with it.
         """
         records, self._journal = self._journal or [], None
+        if records:
+            self.version += 1
+            self.export_memo = {}  # the settled marks go back: derived rows start over
         for undo in reversed(records):
             for row, (old_len, saved) in zip(self._rows, undo.rows):
                 if len(row) < old_len:

@@ -25,6 +25,7 @@ from ..kernels import (
     prepare_paged_latent,
     rebase_block_table,
 )
+from ..kernels.spec_tail_kernels import triton_runs
 from ..request import LlmRequest
 from .slot_table import SlotTable
 
@@ -130,7 +131,11 @@ def decode_tables(
         extents = torch.full((len(slots),), pps, dtype=torch.int64, device=device)
         return [BlockTables(tables, extents)]
     dm = draft_manager
-    offsets = dm.get_block_offsets(ids, backend).to(device)
+    if not triton_runs(impl, device):
+        # The torch decode would only invert the export: take the tables from the rows.
+        return [BlockTables(t.to(device), e.to(device)) for t, e in dm.block_tables(ids, backend, width="live")]
+    # The live width (the batch's longest row), not max_blocks_per_seq: the same tables, less to move.
+    offsets = dm.get_block_offsets(ids, backend, width="live").to(device)
     return [
         decode_draft_block_table(offsets, g, len(ids), dm.config.kv_factor, backend, impl=impl)
         for g in range(dm.num_pools)
