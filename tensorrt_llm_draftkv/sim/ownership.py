@@ -48,6 +48,9 @@ import torch
 from ..runtime.page_pool import BAD_PAGE_INDEX, PagePool
 
 _NEVER = -1
+# Rows kept as tensors between checks: a step touches a few rows many times, and a
+# row of a 2M-token request is 65k entries, so a large cache would cost hundreds of MB.
+_ROW_CACHE_ENTRIES = 16
 _REUSED = -2
 _FREE = object()  # the owner map's answer for a page nobody holds
 
@@ -57,57 +60,67 @@ class OwnershipViolation(AssertionError):
 
 
 class _Shadow:
-    """What one request's slot stored in one pool, by slot position, with epochs, over a sliding span.
+    """What one request's slot stored in one pool, by slot position, with epochs, in a ring.
 
-    Holds positions `[lo, lo + capacity)`. `keep` is how far below the newest
-    stored position a read can still reach (about the pool's window; None for a
-    full-attention pool, which reads everything): stores past the end slide the
-    span, so memory stays about `keep` plus one store, whatever the prompt length.
-    A read below the span is a read of something no longer held: stale.
+    Position `p` lives in ring slot `p % capacity`, which also records `p`
+    itself, so a later store that reuses the slot makes `p` read as never
+    stored. `keep` is how far below the newest stored position a read can still
+    reach (about the pool's window; None for a full-attention pool, which reads
+    everything). The ring holds `keep` plus the largest store, whatever the
+    prompt length, and is reallocated only when a store needs more room, so a
+    long prefill does not churn the allocator chunk after chunk.
     """
 
     def __init__(self, like: torch.Tensor, keep: int | None) -> None:
         self.keep = keep
-        self.lo = 0
+        self.hi = 0  # one past the newest position ever stored
         self.values = torch.zeros((0, *like.shape[1:]), dtype=like.dtype, device=like.device)
         self.epoch = torch.full((0,), _NEVER, dtype=torch.int64, device=like.device)
+        self.position = torch.full((0,), -1, dtype=torch.int64, device=like.device)  # what each slot holds
 
     @property
     def capacity(self) -> int:
         return self.values.shape[0]
 
+    def _needed(self, first: int, end: int) -> int:
+        hi = max(self.hi, end)
+        if self.keep is None:
+            return hi  # every position stays readable
+        # the store itself, what a read may still reach below its top, and re-stores under the top
+        return max(end - first + self.keep, hi - first)
+
     def cover(self, first: int, end: int) -> None:
-        """Make positions `[first, end)` addressable (a store), sliding the span if `keep` allows."""
-        hi = max(end, self.lo + self.capacity)
-        new_lo = self.lo if self.keep is None else max(self.lo, hi - self.keep)
-        new_lo = min(new_lo, first)  # never below what it held before unless asked, never above the store
-        if new_lo >= self.lo and end <= self.lo + self.capacity:
+        """Make room for a store of positions `[first, end)`: grow the ring if it is too small."""
+        need = self._needed(first, end)
+        if need <= self.capacity:
             return
-        # Amortised growth: double, but never past twice `keep` (the slack for later stores).
-        room = 2 * self.capacity if self.keep is None else min(2 * self.capacity, 2 * self.keep)
-        size = max(hi - new_lo, room, 64)
+        size = max(need, 64) if self.keep is not None else max(need, 2 * self.capacity, 64)
         values = torch.zeros((size, *self.values.shape[1:]), dtype=self.values.dtype, device=self.values.device)
         epoch = torch.full((size,), _NEVER, dtype=torch.int64, device=self.epoch.device)
-        a, b = max(new_lo, self.lo), min(self.lo + self.capacity, new_lo + size)
-        if b > a:
-            values[a - new_lo : b - new_lo] = self.values[a - self.lo : b - self.lo]
-            epoch[a - new_lo : b - new_lo] = self.epoch[a - self.lo : b - self.lo]
-        self.lo, self.values, self.epoch = new_lo, values, epoch
+        position = torch.full((size,), -1, dtype=torch.int64, device=self.epoch.device)
+        held = (self.position >= 0).nonzero().flatten()
+        if held.numel():
+            pos = self.position[held]
+            slot = pos % size  # the held positions span less than the old capacity: no collisions
+            values[slot], epoch[slot], position[slot] = self.values[held], self.epoch[held], pos
+        self.values, self.epoch, self.position = values, epoch, position
 
     def store(self, pos: torch.Tensor, kv: torch.Tensor, epoch: int) -> None:
-        self.cover(int(pos.min()), int(pos.max()) + 1)
-        self.values[pos - self.lo] = kv
-        self.epoch[pos - self.lo] = epoch
+        first, end = int(pos.min()), int(pos.max()) + 1
+        self.cover(first, end)
+        slot = pos % self.capacity
+        self.values[slot] = kv
+        self.epoch[slot] = epoch
+        self.position[slot] = pos
+        self.hi = max(self.hi, end)
 
     def lookup(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(epochs, values) at `pos`; positions outside the span read as never stored."""
-        rel = pos - self.lo
-        inside = (rel >= 0) & (rel < self.capacity)
-        idx = torch.where(inside, rel, 0)
+        """(epochs, values) at `pos`; a position whose slot holds another one reads as never stored."""
         if self.capacity == 0:
             return torch.full_like(pos, _NEVER), torch.zeros((pos.numel(), *self.values.shape[1:]), dtype=self.values.dtype, device=self.values.device)
-        epochs = torch.where(inside, self.epoch[idx], _NEVER)
-        return epochs, self.values[idx]
+        slot = pos % self.capacity
+        here = self.position[slot] == pos
+        return torch.where(here, self.epoch[slot], _NEVER), self.values[slot]
 
 
 class OwnershipChecker:
@@ -424,7 +437,7 @@ class OwnershipChecker:
         key = (request_id, group, id(cache), cache.capacity, cache.history_length, self._map_version, str(device))
         hit = self._row_cache.get(key)
         if hit is None:
-            if len(self._row_cache) > 256:
+            if len(self._row_cache) >= _ROW_CACHE_ENTRIES:
                 self._row_cache.clear()
             pages = cache.block_row(group)
             mine = self._owned.get((request_id, self._key(group)), ())
