@@ -116,6 +116,9 @@ class KVCache:
         pool lacks the pages, returns False and nothing changes.
         """
         new_capacity, new_history = self._validated(capacity, history_length)
+        if self._rows_stay(new_capacity, new_history):
+            self._move_cursors(new_capacity, new_history)
+            return True
         plans = [self._plan_group(g, new_capacity, new_history) for g in range(len(self.groups))]
         if not self._fits(plans):
             return False
@@ -133,6 +136,34 @@ class KVCache:
         if self._journal is not None:
             self._journal.append(undo)
         return True
+
+    def _rows_stay(self, capacity: int, history: int) -> bool:
+        """True when no row changes: same block count everywhere and no window releases
+        a block above its settled mark. Most generation steps move inside one page."""
+        P = self.tokens_per_block
+        num_blocks = _ceil_div(capacity, P)
+        for g, row in enumerate(self._rows):
+            if len(row) != num_blocks:
+                return False
+            life_cycle = self.groups[g].life_cycle
+            if life_cycle.window is not None:
+                lo, hi = life_cycle.stale_range(history, P)
+                if hi > lo and hi > self._settled[g]:
+                    return False
+        return True
+
+    def _move_cursors(self, capacity: int, history: int) -> None:
+        """The fast path of `resize`: only capacity, history and full-attention settled marks move."""
+        if self._journal is not None:
+            scalars = (self.capacity, self.history_length, self.committed)
+            self._journal.append(_Undo(scalars, tuple(self._settled), tuple(self._held), [(len(r), []) for r in self._rows]))
+        P = self.tokens_per_block
+        for g, row in enumerate(self._rows):
+            if self.groups[g].life_cycle.window is None:
+                # Full attention never releases: every block wholly below history is final.
+                self._settled[g] = max(self._settled[g], min(history // P, len(row)))
+        self.capacity = capacity
+        self.history_length = history
 
     def _apply(self, g: int, plan: _GroupPlan, pages: list[int]) -> tuple[int, list[tuple[int, int]]]:
         """Edit the row in place (only the ordinals that change); return what undoes it."""

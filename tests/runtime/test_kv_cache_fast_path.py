@@ -1,0 +1,73 @@
+"""A resize that changes no row (same block count, no block newly stale) only moves cursors.
+
+It must not touch a pool, must not bump the version the export's numpy rows
+follow, must still settle full-attention rows, and must roll back like any
+other resize; a resize that does change a row still takes the full path.
+"""
+from __future__ import annotations
+
+import random
+
+from tensorrt_llm_draftkv.runtime import KVCache, LayerGroup, LifeCycle, PagePool
+
+P = 4
+
+
+def _cache(window: int | None = 8, sinks: int = 0):
+    events: list[tuple[str, list[int]]] = []
+    groups = [
+        LayerGroup(LifeCycle(window, sinks), PagePool(64, tokens_per_block=P, num_layers=1, head_dim=2)),
+        LayerGroup(LifeCycle(None), PagePool(64, tokens_per_block=P, num_layers=1, head_dim=2)),
+    ]
+    for g in groups:
+        g.pool.add_listener(lambda kind, pages, owner: events.append((kind, list(pages))))
+    return KVCache(groups, P, name="r"), events
+
+
+def test_a_step_inside_one_page_touches_no_pool_and_keeps_the_version():
+    cache, events = _cache()
+    assert cache.resize(21, 17)  # blocks 0..5; window 8 releases below (17+1-8)//4 = 2
+    events.clear()
+    version, rows = cache.version, [cache.block_row(g) for g in range(2)]
+    assert cache.resize(23, 19)  # still 6 blocks; stale range [0, 3) vs settled 2: a block goes stale
+    assert events, "block 2 went stale: the full path must release it"
+    events.clear()
+    version, rows = cache.version, [cache.block_row(g) for g in range(2)]
+    assert cache.resize(24, 20)  # 6 blocks, stale hi (20+1-8)//4 = 3: nothing new
+    assert events == [] and cache.version == version
+    assert [cache.block_row(g) for g in range(2)] == rows
+    assert (cache.capacity, cache.history_length) == (24, 20)
+    assert cache.settled_blocks(1) == 5  # the full-attention row settles below its history
+
+
+def test_cursor_moves_roll_back_with_the_journal():
+    cache, _ = _cache(window=None)
+    assert cache.resize(10, 6)
+    before = cache.checkpoint()
+    cache.begin_journal()
+    for pool in {id(g.pool): g.pool for g in cache.groups}.values():
+        pool.begin_journal()
+    assert cache.resize(11, 8)  # cursors only
+    assert cache.resize(14, 9)  # a new block
+    assert cache.resize(15, 12)  # cursors only
+    cache.rollback_journal()
+    for pool in {id(g.pool): g.pool for g in cache.groups}.values():
+        pool.rollback_journal()
+        pool.end_journal()
+    assert cache.checkpoint() == before
+
+
+def test_fast_and_full_paths_agree_on_random_steps():
+    """The same random generation-like walk on two caches, one forced through the full path."""
+    rng = random.Random(5)
+    for window, sinks in [(8, 0), (9, 1), (None, 0), (16, 2)]:
+        fast, _ = _cache(window, sinks)
+        full, _ = _cache(window, sinks)
+        full._rows_stay = lambda capacity, history: False  # type: ignore[method-assign]
+        history = 0
+        for _ in range(200):
+            history += rng.randint(0, 3)
+            capacity = history + rng.choice([1, 1, 5, 9])
+            assert fast.resize(capacity, history) == full.resize(capacity, history)
+            assert fast.checkpoint() == full.checkpoint()
+            assert [g.pool.num_free for g in fast.groups] == [g.pool.num_free for g in full.groups]
