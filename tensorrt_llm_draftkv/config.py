@@ -119,6 +119,9 @@ class KVPoolConfig:
     every layer in group i) that pool i holds; `guard_page` adds one reserved page
     per pool that unbacked block-table entries resolve to in the "cpp" export.
     `dtype` is a torch dtype or its name ("bf16", "float16", ...: see `parse_dtype`).
+    `enable_block_reuse`: full pages are published by their token ids and shared by
+    later requests with the same prefix (docs/block_reuse.md); a draft pool takes
+    part only with `joint_kv_cache_reuse`.
 
     Not TensorRT-LLM's user-facing `KvCacheConfig` (memory fraction, max tokens,
     block reuse): this is only the pools' geometry. `KvCacheConfig` remains here as
@@ -135,6 +138,7 @@ class KVPoolConfig:
     device: str = "cpu"
     guard_page: bool = False
     max_seq_len: int = 1 << 20
+    enable_block_reuse: bool = False
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

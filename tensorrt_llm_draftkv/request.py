@@ -45,6 +45,9 @@ class LlmRequest:
     py_num_accepted_draft_tokens: int = 0
     is_dummy: bool = False
     max_new_tokens: int = 1 << 30
+    #: Prompt tokens whose K/V a prefix hit supplied (a whole number of pages from
+    #: position 0): the executor computes the prompt from here on.
+    reused_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -130,6 +133,22 @@ class LlmRequest:
         view.position += view.chunk_size
         remaining = self.prompt_len - view.position
         view.chunk_size = remaining if next_chunk is None else min(next_chunk, remaining)
+
+    def skip_reused_prefix(self, tokens: int) -> None:
+        """A prefix hit: positions `[0, tokens)` are reused, so the target view's first chunk starts at
+        `tokens` (same chunk size, clipped to the prompt). ValueError, changing nothing, unless the view
+        is still at position 0 and at least one prompt token is left to compute."""
+        if not 0 <= tokens < self.prompt_len or self.target_view.position != 0:
+            raise ValueError(
+                f"request {self.py_request_id}: cannot skip {tokens} reused tokens of a {self.prompt_len}-token "
+                f"prompt with the target view at position {self.target_view.position} (needs 0 <= tokens < "
+                "prompt and the view at 0)"
+            )
+        remaining = self.prompt_len - tokens
+        chunk = self.target_view.chunk_size
+        self.target_view.position = tokens
+        self.target_view.chunk_size = remaining if chunk <= 0 else min(chunk, remaining)
+        self.reused_tokens = tokens
 
     def sync_draft_view(self) -> None:
         """A drafter that runs with the target (MTP, Eagle3) keeps its view in step."""

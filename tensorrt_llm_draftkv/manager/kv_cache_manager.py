@@ -12,7 +12,7 @@ from typing import Iterable
 from ..config import KVPoolConfig
 from ..request import LlmRequest, ScheduledRequests
 from ..runtime import KVCache, LayerGroup, LifeCycle, PagePool
-from . import dummies, export, rules
+from . import dummies, export, prefix_reuse, rules
 from .diagnostics import KVCacheResizeError, MissingKVCacheError, pool_diagnostic, resize_error
 
 
@@ -47,7 +47,16 @@ class KVCacheManagerV2:
         #: Tokens kept below every window for a trailing drafter slot (one page, or 0): the one
         #: answer the drafter's seeding, the estimators and the planner read.
         self.draft_slot_trail_tokens = trail_tokens
+        #: Publish full pages and share them by prefix (a draft mirror only with joint reuse).
+        self.block_reuse = config.enable_block_reuse and (
+            mirror_policy is None or mirror_policy.joint_kv_cache_reuse
+        )
+        # Managers whose pools a hit must also cover (`pair_joint_reuse`).
+        self._reuse_partners: list[KVCacheManagerV2] = []
         widen = trail_tokens
+        # The geometry that salts every page key of a pool (group index and window join in the chain root).
+        salt = (self.error_label, config.tokens_per_block, config.kv_factor, config.num_kv_heads, config.head_dim,
+                str(config.dtype), trail_tokens)
         self.layer_groups: list[LayerGroup] = [
             LayerGroup(
                 LifeCycle(g.window, g.sink_blocks).widened(widen),
@@ -61,6 +70,8 @@ class KVCacheManagerV2:
                     dtype=config.dtype,
                     device=config.device,
                     guard_page=config.guard_page,
+                    block_reuse=self.block_reuse,
+                    reuse_salt=salt,
                 ),
             )
             for g, pages in zip(config.layer_groups, config.pages_per_group)
@@ -249,9 +260,16 @@ class KVCacheManagerV2:
         self._check_unique(batch)
         steps = [(r, "context", self.sizing_rules.context) for r in batch.context_requests]
         steps += [(r, "generation", self.sizing_rules.generation) for r in batch.generation_requests]
-        with self._batch_transaction(r.py_request_id for r, _, _ in steps):
-            for req, phase, sizing in steps:
-                self._resize_or_raise(req, phase, sizing)
+        views = [(r, r.target_view.position, r.target_view.chunk_size, r.reused_tokens) for r in batch.context_requests]
+        try:
+            with self._batch_transaction(r.py_request_id for r, _, _ in steps):
+                prefix_reuse.reuse_prefixes(self, batch.context_requests)  # pins every hit before any growth
+                for req, phase, sizing in steps:
+                    self._resize_or_raise(req, phase, sizing)
+        except BaseException:
+            for req, position, chunk, reused in views:  # a prefix hit moved the view: put it back
+                req.target_view.position, req.target_view.chunk_size, req.reused_tokens = position, chunk, reused
+            raise
 
     def _check_unique(self, batch: ScheduledRequests) -> None:
         ids = [r.py_request_id for r in batch.all_requests()]
@@ -271,6 +289,8 @@ class KVCacheManagerV2:
                 position = self.sizing_rules.view(req).position
                 if position > cache.history_length:
                     cache.resize(max(cache.capacity, position), position)
+                if self.block_reuse and not req.is_dummy:  # a dummy's placeholder K/V is never published
+                    prefix_reuse.publish_history(self, req, position)
 
     def prepare_disagg_gen_init(self, req: LlmRequest) -> None:
         """A generation worker's new request: the prompt is history, a step of headroom above it."""
@@ -295,6 +315,23 @@ class KVCacheManagerV2:
                     cache.resize(max(cache.capacity, history), history)
 
     add_dummy_requests = dummies.add_dummy_requests  # upstream's call shape, in its own module
+
+    # -- block reuse (manager/prefix_reuse.py) ----------------------------------------------
+    find_prefix_hit = prefix_reuse.find_prefix_hit
+    pair_joint_reuse = prefix_reuse.pair_joint_reuse
+
+    def _prefix_error(self, req: LlmRequest, tokens: int, group: int, missing: list[int]) -> KVCacheResizeError:
+        """A mirror told to reuse `tokens` whose pool lacks published pages (block ordinals `missing`)."""
+        return KVCacheResizeError(
+            f"{self.error_label} context resize failed for request {req.py_request_id}: it reuses {tokens} "
+            f"prompt tokens but layer group {group} of this pool has no published page for block ordinals "
+            f"{missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)} missing; a hit must be found with "
+            "pair_joint_reuse and adopted in the same step)\n" + self.pool_diagnostic(),
+            request_id=req.py_request_id,
+            phase="context",
+            capacity=tokens,
+            history=tokens,
+        )
 
     def free_resources(self, req: "LlmRequest | int | ScheduledRequests | Iterable[LlmRequest | int]") -> None:
         """Return every page of one request, or of every request of a batch or list.
@@ -328,16 +365,24 @@ class KVCacheManagerV2:
     copy_batch_block_offsets = export.copy_batch_block_offsets
 
     def check_accounting(self) -> None:
-        """Every pool balances and no page is held by two caches."""
+        """Every pool balances (held + cached-free + free = total), and every held page is in exactly
+        as many rows as the pool counts holders: a page held alone is in one row only."""
         for p, group in enumerate(self.layer_groups):
-            group.pool.check_accounting()
-            owners: dict[int, int] = {}
+            pool = group.pool
+            pool.check_accounting()
+            holders: dict[int, list[int]] = {}
             for rid, cache in self._caches.items():
                 for page in cache.held_pages(p):
-                    if page in owners:
-                        raise AssertionError(f"pool {p}: page {page} held by requests {owners[page]} and {rid}")
-                    owners[page] = rid
-            if len(owners) != group.pool.num_held:
+                    holders.setdefault(page, []).append(rid)
+            for page, rids in holders.items():
+                if len(rids) != pool.refcount(page):
+                    if len(rids) > 1 and pool.refcount(page) <= 1:
+                        raise AssertionError(f"pool {p}: page {page} held by requests {rids[0]} and {rids[1]}")
+                    raise AssertionError(
+                        f"pool {p}: page {page} is in the rows of requests {rids} but the pool counts "
+                        f"{pool.refcount(page)} holder(s)"
+                    )
+            if len(holders) != pool.num_held:
                 raise AssertionError(
-                    f"pool {p}: caches hold {len(owners)} pages but the pool counts {group.pool.num_held} held"
+                    f"pool {p}: caches hold {len(holders)} pages but the pool counts {pool.num_held} held"
                 )

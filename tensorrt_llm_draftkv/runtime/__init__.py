@@ -2,5 +2,6 @@
 from .kv_cache import KVCache, LayerGroup
 from .life_cycle import LifeCycle
 from .page_pool import BAD_PAGE_INDEX, OutOfPagesError, PagePool
+from .prefix_cache import PrefixCache
 
-__all__ = ["BAD_PAGE_INDEX", "KVCache", "LayerGroup", "LifeCycle", "OutOfPagesError", "PagePool"]
+__all__ = ["BAD_PAGE_INDEX", "KVCache", "LayerGroup", "LifeCycle", "OutOfPagesError", "PagePool", "PrefixCache"]

@@ -6,11 +6,13 @@ pool, with BAD_PAGE_INDEX where nothing backs the ordinal.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from .life_cycle import LifeCycle
 from .page_pool import BAD_PAGE_INDEX, PagePool
+from .prefix_cache import PageKey, chain_root, page_keys
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class KVCache:
         # so a resize only walks the rest of the row.
         self._settled: list[int] = [0 for _ in groups]
         self._held: list[int] = [0 for _ in groups]  # backed entries per row, kept by every change
+        # Block reuse: per group, the keys of ordinals [0, len) (computed once, extended by commit).
+        self._keys: list[list[PageKey]] = [[] for _ in groups]
         self._journal: list[_Undo] | None = None
         self.closed = False
         #: Bumped by every change of a row: a consumer's derived copy of the rows
@@ -212,7 +216,8 @@ class KVCache:
         balance: dict[int, int] = {}
         for g, plan in enumerate(plans):
             pool = self.groups[g].pool
-            balance[id(pool)] = balance.get(id(pool), pool.num_free) + len(plan.release) - len(plan.allocate)
+            returned = pool.pages_returned_by(plan.release)  # a page others share stays held
+            balance[id(pool)] = balance.get(id(pool), pool.num_free) + returned - len(plan.allocate)
         return all(left >= 0 for left in balance.values())
 
     def _plan_group(self, g: int, capacity: int, history: int) -> _GroupPlan:
@@ -251,14 +256,104 @@ class KVCache:
             settled = max(hi, start) if hi > lo else start
         return _GroupPlan(release, clear, allocate, num_blocks, settled)
 
-    def commit(self, tokens: int) -> None:
-        """Publish `tokens` for prefix reuse; committed <= history."""
+    def commit(self, tokens: int, token_ids: Sequence[int] | None = None) -> None:
+        """Publish `tokens` for prefix reuse; committed <= history.
+
+        With `token_ids` (the request's token ids from absolute position 0, at
+        least `tokens` of them), every group whose pool has block reuse puts each
+        full page of ordinals `[committed // P, tokens // P)` that this cache still
+        backs into its pool's prefix table (a page a window already released is not
+        published; a key another page already has is left to that page). Without
+        `token_ids` only the counter moves. Journaled like a resize.
+        """
         if not self.committed <= tokens <= self.history_length:
             raise ValueError(
                 f"cache {self.name!r}: committed must stay in [{self.committed}, {self.history_length}], "
                 f"got {tokens}"
             )
+        if token_ids is not None and len(token_ids) < tokens:
+            raise ValueError(f"cache {self.name!r}: committing {tokens} tokens needs as many token ids, got {len(token_ids)}")
+        if self._journal is not None and tokens != self.committed:
+            scalars = (self.capacity, self.history_length, self.committed)
+            self._journal.append(_Undo(scalars, tuple(self._settled), tuple(self._held), [(len(r), []) for r in self._rows]))
+        if token_ids is not None:
+            self._publish(tokens, token_ids)
         self.committed = tokens
+
+    # -- block reuse -------------------------------------------------------------------
+    def prefix_root(self, group: int) -> int:
+        """The chain root of one group: its pool's geometry salt, its index, window and sinks."""
+        lc = self.groups[group].life_cycle
+        return chain_root(self.groups[group].pool.prefix.salt, group, lc.window, lc.sink_blocks)
+
+    def prefix_keys(self, group: int, token_ids: Sequence[int], num_pages: int) -> list[PageKey]:
+        """Keys of full pages (block ordinals) `[0, num_pages)` of `token_ids` in one group's chain."""
+        return page_keys(token_ids, self.tokens_per_block, self.prefix_root(group), end=num_pages)
+
+    def _publish(self, tokens: int, token_ids: Sequence[int]) -> None:
+        P = self.tokens_per_block
+        end = tokens // P
+        for g, group in enumerate(self.groups):
+            pool = group.pool
+            if not pool.block_reuse:
+                continue
+            keys = self._keys[g]
+            if len(keys) < end:
+                parent = keys[-1][0] if keys else None  # the link of the last keyed page
+                keys.extend(page_keys(token_ids, P, self.prefix_root(g), first=len(keys), end=end, parent=parent))
+            row = self._rows[g]
+            for ordinal in range(self.committed // P, min(end, len(row))):
+                page = row[ordinal]
+                if page != BAD_PAGE_INDEX and not pool.is_published(page):
+                    pool.publish(page, keys[ordinal], owner=self.owner)
+
+    def adopt_prefix(self, tokens: int, rows: Sequence[Sequence[int]], keys: Sequence[Sequence[PageKey]]) -> None:
+        """Start this fresh cache at `tokens` tokens of history held on published pages.
+
+        `tokens` is a whole number of pages `n * P`. `rows[g]` has `n` entries, by
+        block ordinal: the published page for each ordinal group g still reads at
+        history `tokens` (every ordinal outside the life cycle's stale range, sinks
+        included), `BAD_PAGE_INDEX` for the stale ones. `keys[g]` holds at least the
+        `n` keys of the group's chain; each page must be the one published under its
+        key. Every page gains this cache's owner as a holder (`PagePool.share`).
+        Afterwards capacity = history = committed = `tokens`. ValueError, changing
+        nothing, on a cache that is not fresh or rows that break any of this.
+        """
+        P = self.tokens_per_block
+        n = tokens // P if tokens >= 0 else -1
+        if self.closed or self.capacity or self.history_length or any(self._rows):
+            raise ValueError(f"cache {self.name!r}: a prefix can only be adopted by a fresh cache")
+        if tokens < 0 or tokens % P or len(rows) != len(self.groups) or len(keys) != len(self.groups):
+            raise ValueError(
+                f"cache {self.name!r}: adopting {tokens} tokens needs a multiple of P={P} and one row and key "
+                f"list per group ({len(self.groups)}), got {len(rows)} rows and {len(keys)} key lists"
+            )
+        settled: list[int] = []
+        for g, group in enumerate(self.groups):
+            lo, hi = group.life_cycle.stale_range(tokens, P)
+            row = rows[g]
+            if len(row) != n or len(keys[g]) < n:
+                raise ValueError(
+                    f"cache {self.name!r}: group {g} row of {len(row)} pages and {len(keys[g])} keys for {n} pages"
+                )
+            for ordinal, page in enumerate(row):
+                stale = lo <= ordinal < hi
+                if stale != (page == BAD_PAGE_INDEX) or (not stale and group.pool.lookup(keys[g][ordinal]) != page):
+                    raise ValueError(
+                        f"cache {self.name!r}: group {g} ordinal {ordinal} holds page {page}, but it must be "
+                        + ("unbacked (stale at this history)" if stale else "the page published under its key")
+                    )
+            if group.life_cycle.window is None:
+                settled.append(n)
+            else:
+                settled.append(hi if hi > lo else 0)
+        for g, group in enumerate(self.groups):
+            group.pool.share([p for p in rows[g] if p != BAD_PAGE_INDEX], owner=self.owner)
+            self._rows[g] = list(rows[g])
+            self._held[g] = sum(1 for p in rows[g] if p != BAD_PAGE_INDEX)
+            self._keys[g] = list(keys[g][:n])
+        self._settled = settled
+        self.capacity = self.history_length = self.committed = tokens
 
     def free(self) -> None:
         """Return every page; the cache cannot be used afterwards."""
@@ -269,6 +364,7 @@ class KVCache:
             self._rows[g] = []
             self._settled[g] = 0
             self._held[g] = 0
+            self._keys[g] = []
         self.capacity = self.history_length = self.committed = 0
         self._journal = None
         self.closed = True
@@ -336,4 +432,6 @@ class KVCache:
             self.capacity, self.history_length, self.committed = undo.scalars
             self._settled = list(undo.settled)
             self._held = list(undo.held)
+        for keys in self._keys:  # keys past what is committed are recomputed when needed
+            del keys[self.committed // self.tokens_per_block :]
 

@@ -1,9 +1,12 @@
 """Physical pages of one layer group: real storage, a free list, exact accounting."""
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Callable
 
 import torch
+
+from .prefix_cache import PageKey, PrefixCache
 
 BAD_PAGE_INDEX = -1
 """Block-table value for an ordinal no page backs (released or never allocated)."""
@@ -14,7 +17,7 @@ class OutOfPagesError(RuntimeError):
 
 
 PoolListener = Callable[[str, "list[int]", object], None]
-"""`fn(event, pages, owner)`: event is "allocate" or "release", pages are page indices of the pool."""
+"""`fn(event, pages, owner)`: pages are page indices of the pool; events are listed in `PagePool`."""
 
 
 class PagePool:
@@ -29,6 +32,27 @@ class PagePool:
     (event "allocate") and `release` (event "release") of at least one page,
     after the pool changed, with the pages and the `owner` the caller named
     (None if it named none).
+
+    With `block_reuse`, pages can also be shared and cached (see
+    docs/block_reuse.md). A page is then held by a *refcount* of owners; a
+    published page whose last owner leaves becomes *cached-free* (still found by
+    its key, evicted least recently used first when an allocation needs it). Held
+    (distinct pages) + cached-free + plain free = total. `num_free` counts what an
+    allocation can get: plain free and cached-free. Listeners then also hear, all
+    with pages that no listener needs to track unless it tracks sharing:
+
+    - "allocate": the owner now holds these pages alone (fresh, evicted first, or a
+      cached-free page revived by a hit: ask `is_published`);
+    - "release": the owner was the last holder; the pages are now free or
+      cached-free (`is_cached_free`);
+    - "share": the owner joins pages other owners already hold;
+    - "unshare": the owner leaves pages other owners still hold;
+    - "publish": pages enter the prefix table (owner: the publisher; None when a
+      rollback puts back an evicted page);
+    - "evict": pages leave the prefix table (owner None; before an "allocate" that
+      hands them out, or when a rollback undoes a publish).
+
+    Without `block_reuse` only "allocate" and "release" ever happen, as before.
     """
 
     def __init__(
@@ -43,7 +67,10 @@ class PagePool:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         guard_page: bool = False,
+        block_reuse: bool = False,
+        reuse_salt: Hashable = None,
     ) -> None:
+        """`block_reuse`: keep a prefix table (salted by `reuse_salt`, the pool's geometry)."""
         if num_pages < 0:
             raise ValueError(f"a pool needs >= 0 pages, got num_pages={num_pages}")
         if tokens_per_block < 1:
@@ -61,9 +88,12 @@ class PagePool:
         # Popped from the end: the lowest page first on a fresh pool, most recently freed next.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._held: set[int] = set()
+        # Holders beyond the first, for shared pages only (refcount = 1 + this).
+        self._extra: dict[int, int] = {}
+        self.prefix: PrefixCache | None = PrefixCache(reuse_salt) if block_reuse else None
         self._listeners: list[PoolListener] = []
-        # While a journal is open: every page handed out ("pop") or returned ("push"), in order.
-        self._log: list[tuple[str, int, object]] | None = None
+        # While a journal is open: (kind, page, owner, data) for every change, in order.
+        self._log: list[tuple[str, int, object, object]] | None = None
 
     # -- listeners ----------------------------------------------------------------
     def add_listener(self, fn: PoolListener) -> None:
@@ -81,32 +111,142 @@ class PagePool:
             fn(event, list(pages), owner)
 
     @property
+    def block_reuse(self) -> bool:
+        return self.prefix is not None
+
+    @property
     def num_free(self) -> int:
+        """Pages an allocation can get: plain free plus cached-free (evicted on demand)."""
+        return len(self._free) + (self.prefix.num_cached_free if self.prefix is not None else 0)
+
+    @property
+    def num_cached_free(self) -> int:
+        """Published pages nobody holds, kept for reuse until an allocation evicts them."""
+        return self.prefix.num_cached_free if self.prefix is not None else 0
+
+    @property
+    def num_plain_free(self) -> int:
+        """Free pages that hold nothing anyone can find."""
         return len(self._free)
 
     @property
     def num_held(self) -> int:
+        """Distinct held pages (a shared page counts once)."""
         return len(self._held)
 
     def is_held(self, page: int) -> bool:
         return page in self._held
 
+    def refcount(self, page: int) -> int:
+        """How many owners hold `page` (0 when free or cached-free)."""
+        return 1 + self._extra.get(page, 0) if page in self._held else 0
+
+    def is_shared(self, page: int) -> bool:
+        """Held by more than one owner: readable by each, writable by none."""
+        return page in self._extra
+
+    def is_published(self, page: int) -> bool:
+        """In the prefix table (held or cached-free): its K/V is final and must not be written."""
+        return self.prefix is not None and self.prefix.is_published(page)
+
+    def is_cached_free(self, page: int) -> bool:
+        return self.prefix is not None and self.prefix.is_cached_free(page)
+
+    def is_writable(self, page: int) -> bool:
+        """Held by exactly one owner and not published: the only pages a writer may be handed."""
+        return page in self._held and page not in self._extra and not self.is_published(page)
+
+    def pages_returned_by(self, pages: list[int]) -> int:
+        """How many of `pages` a `release` would make allocatable again (a shared page stays held)."""
+        if not self._extra:
+            return len(pages)
+        return sum(1 for p in pages if p not in self._extra)
+
+    def _record(self, kind: str, page: int, owner: object, data: object = None) -> None:
+        if self._log is not None:
+            self._log.append((kind, page, owner, data))
+
     def allocate(self, count: int, *, owner: object | None = None) -> list[int]:
-        """Hand out `count` pages, all or none; listeners hear "allocate" with `owner`."""
+        """Hand out `count` pages, all or none; listeners hear "allocate" with `owner`.
+
+        Plain free pages go first; then cached-free pages, least recently used
+        first, are evicted (listeners hear "evict" before "allocate").
+        """
         if count < 0:
             raise ValueError(f"cannot allocate a negative number of pages ({count})")
-        if count > len(self._free):
-            raise OutOfPagesError(f"asked for {count} pages, {len(self._free)} free of {self.total}")
+        if count > self.num_free:
+            raise OutOfPagesError(f"asked for {count} pages, {self.num_free} free of {self.total}")
+        evicted: list[int] = []
+        while len(self._free) < count:
+            assert self.prefix is not None  # num_free counted cached-free pages
+            page = self.prefix.oldest()
+            stamp = self.prefix.unpark(page)
+            key = self.prefix.unpublish(page)
+            self._free.append(page)
+            self._record("evict", page, None, (key, stamp))
+            evicted.append(page)
         pages = [self._free.pop() for _ in range(count)]
         self._held.update(pages)
         if self._log is not None:
-            self._log.extend(("pop", p, owner) for p in pages)
+            self._log.extend(("pop", p, owner, None) for p in pages)
+        self._emit("evict", evicted, None)
         self._emit("allocate", pages, owner)
         return pages
 
+    # -- sharing and publishing (block reuse only) ---------------------------------------
+    def lookup(self, key: PageKey) -> int | None:
+        """The page published under `key` (held or cached-free), or None."""
+        return None if self.prefix is None else self.prefix.page_for(key)
+
+    def share(self, pages: list[int], *, owner: object | None = None) -> None:
+        """`owner` becomes one more holder of these published pages, all or none.
+
+        A held page gains a holder (listeners hear "share"); a cached-free page is
+        revived and held by `owner` alone ("allocate").
+        """
+        if self.prefix is None:
+            raise ValueError("share needs a pool built with block_reuse=True")
+        bad = [p for p in pages if not self.prefix.is_published(p)]
+        if bad or len(set(pages)) != len(pages):
+            raise ValueError(f"share of pages that are not published (or repeated): {sorted(set(bad)) or pages}")
+        joined: list[int] = []
+        revived: list[int] = []
+        for page in pages:
+            if page in self._held:
+                self._extra[page] = self._extra.get(page, 0) + 1
+                self._record("share", page, owner)
+                joined.append(page)
+            else:
+                stamp = self.prefix.unpark(page)
+                self._held.add(page)
+                self._record("revive", page, owner, stamp)
+                revived.append(page)
+        self._emit("share", joined, owner)
+        self._emit("allocate", revived, owner)
+
+    def publish(self, page: int, key: PageKey, *, owner: object | None = None) -> bool:
+        """Put a held page in the prefix table under `key`; False (nothing changes) if the page
+        or the key is already published (another request computed the same page first)."""
+        if self.prefix is None:
+            raise ValueError("publish needs a pool built with block_reuse=True")
+        if page not in self._held:
+            raise ValueError(f"cannot publish page {page}: it is not held")
+        if self.prefix.is_published(page) or self.prefix.has_link(key[0]):
+            return False
+        self.prefix.publish(page, key)
+        self._record("publish", page, owner)
+        self._emit("publish", [page], owner)
+        return True
+
     def free_order(self) -> list[int]:
-        """The free list in allocation order (last is handed out first)."""
+        """The plain free list in allocation order (last is handed out first)."""
         return list(self._free)
+
+    def state(self) -> tuple:
+        """Everything that defines the pool's bookkeeping, comparable: free list, held pages,
+        extra holders, prefix table and LRU order."""
+        table = self.prefix.state() if self.prefix is not None else ()
+        return (tuple(self._free), frozenset(self._held), tuple(sorted(self._extra.items())), table)
 
     # -- the journal (what a batch transaction rolls back) ----------------------------------
     def begin_journal(self) -> None:
@@ -120,16 +260,33 @@ class PagePool:
         self._log = None
 
     def rollback_journal(self) -> None:
-        """Undo every allocate and release since `begin_journal`, latest first.
+        """Undo every change since `begin_journal`, latest first.
 
         The free list only ever pops and pushes at its end, so undoing in reverse
         puts every page back in the very position it had: the pool, its free-list
-        order included, is as it was. Listeners hear the undo as releases and
-        allocations, with the owners that were named.
+        order, holders, prefix table and LRU order included, is as it was.
+        Listeners hear the undo as the inverse events (an allocation undone is a
+        "release", a share an "unshare", an eviction a "publish", ...), with the
+        owners that were named.
         """
         log, self._log = self._log or [], None
+        if self.prefix is None:
+            self._rollback_plain(log)
+            return
+        runs: list[tuple[str, object, list[int]]] = []  # consecutive events of one kind and owner
+        for kind, page, owner, data in reversed(log):
+            event, who = self._undo(kind, page, owner, data)
+            if runs and runs[-1][:2] == (event, who):
+                runs[-1][2].append(page)
+            else:
+                runs.append((event, who, [page]))
+        for event, who, pages in runs:
+            self._emit(event, pages, who)
+
+    def _rollback_plain(self, log: list[tuple[str, int, object, object]]) -> None:
+        """Without block reuse only pops and pushes exist: undo them as runs of `release` and `take`."""
         runs: list[tuple[str, object, list[int]]] = []  # consecutive undo steps of one kind and owner
-        for kind, page, owner in reversed(log):
+        for kind, page, owner, _ in reversed(log):
             if runs and runs[-1][:2] == (kind, owner):
                 runs[-1][2].append(page)
             else:
@@ -140,44 +297,142 @@ class PagePool:
             else:  # returned: it sits at the end again, claim it back
                 self.take(pages, owner=owner)
 
+    def _undo(self, kind: str, page: int, owner: object, data: object) -> tuple[str, object]:
+        """Undo one journal entry in place; return the event listeners hear and its owner."""
+        if kind == "pop":  # handed out: back onto the end of the free list
+            self._held.discard(page)
+            self._free.append(page)
+            return "release", owner
+        if kind == "push":  # returned: it sits at the end again
+            self._pop_free(page)
+            self._held.add(page)
+            return "allocate", owner
+        assert self.prefix is not None  # every other kind needs the prefix table
+        if kind == "evict":
+            key, stamp = data
+            self._pop_free(page)
+            self.prefix.publish(page, key)
+            self.prefix.park(page, stamp)
+            return "publish", None
+        if kind == "park":
+            self.prefix.unpark(page)
+            self._held.add(page)
+            return "allocate", owner
+        if kind == "revive":
+            self._held.discard(page)
+            self.prefix.park(page, data)
+            return "release", owner
+        if kind == "share":
+            self._drop_extra(page)
+            return "unshare", owner
+        if kind == "unshare":
+            self._extra[page] = self._extra.get(page, 0) + 1
+            return "share", owner
+        if kind == "publish":
+            self.prefix.unpublish(page)
+            return "evict", owner
+        raise AssertionError(f"unknown journal entry {kind!r}")
+
+    def _pop_free(self, page: int) -> None:
+        if self._free and self._free[-1] == page:
+            self._free.pop()
+        else:  # not reached by a reverse-order undo; kept correct anyway
+            self._free.remove(page)
+
+    def _drop_extra(self, page: int) -> None:
+        left = self._extra[page] - 1
+        if left:
+            self._extra[page] = left
+        else:
+            del self._extra[page]
+
     def take(self, pages: list[int], *, owner: object | None = None) -> None:
         """Claim these particular free pages, all or none (used to undo a release).
 
-        Listeners hear "allocate" with `owner`: the pages are held again. Not while a
-        journal is open (it takes pages from the middle of the free list).
+        Listeners hear "allocate" with `owner`: the pages are held again. A
+        cached-free page is revived (it stays published). Not while a journal is
+        open (it takes pages from the middle of the free list).
         """
         if self._log is not None:
             raise ValueError("take cannot run while this pool's journal is open")
         busy = [p for p in pages if p in self._held]
         if busy or len(set(pages)) != len(pages):
             raise ValueError(f"cannot take pages that are held (or repeated): {sorted(set(busy)) or pages}")
-        missing = set(pages) - set(self._free)
+        cached = {p for p in pages if self.is_cached_free(p)}
+        missing = set(pages) - set(self._free) - cached
         if missing:
             raise ValueError(f"pages {sorted(missing)} are not pages of this pool's free list")
-        wanted = set(pages)
-        self._free = [p for p in self._free if p not in wanted]
+        wanted = set(pages) - cached
+        if wanted:
+            self._free = [p for p in self._free if p not in wanted]
+        for page in cached:
+            assert self.prefix is not None
+            self.prefix.unpark(page)
         self._held.update(pages)
         self._emit("allocate", pages, owner)
 
     def release(self, pages: list[int], *, owner: object | None = None) -> None:
-        """Return pages to the free list; every one must be held (no double free).
+        """`owner` gives these pages up; every one must be held (no double free).
 
-        Listeners hear "release" with `owner`.
+        A page others still hold only loses a holder ("unshare"). Otherwise it is
+        no longer held ("release"): a published page becomes cached-free, the
+        others go back to the free list. Pages parked by one call are stamped in
+        reverse, so the first listed (a request's lowest ordinal, which every
+        longer prefix needs) is evicted last.
         """
         bad = [p for p in pages if p not in self._held]
         if bad or len(set(pages)) != len(pages):
             raise ValueError(f"release of pages not held (or repeated): {sorted(set(bad)) or pages}")
-        for page in pages:
+        if self.prefix is None:
+            for page in pages:
+                self._held.remove(page)
+                self._free.append(page)
+            if self._log is not None:
+                self._log.extend(("push", p, owner, None) for p in pages)
+            self._emit("release", pages, owner)
+            return
+        left = [p for p in pages if p in self._extra]
+        for page in left:
+            self._drop_extra(page)
+            self._record("unshare", page, owner)
+        shared = set(left)
+        gone = [p for p in pages if p not in shared]
+        for page in reversed(gone):
             self._held.remove(page)
-            self._free.append(page)
-        if self._log is not None:
-            self._log.extend(("push", p, owner) for p in pages)
-        self._emit("release", pages, owner)
+            if self.prefix.is_published(page):
+                self.prefix.park(page)
+                self._record("park", page, owner)
+            else:
+                self._free.append(page)
+                self._record("push", page, owner)
+        self._emit("unshare", left, owner)
+        self._emit("release", gone, owner)
 
     def check_accounting(self) -> None:
-        """held + free == total, and no page is both."""
+        """held (distinct) + cached-free + plain free == total, and no page is in two of them.
+
+        With block reuse also: only held pages have extra holders, every
+        cached-free page is published, and no plain free page is.
+        """
         free = set(self._free)
-        if len(free) != len(self._free) or free & self._held or len(free) + len(self._held) != self.total:
+        cached = set(self.prefix._stamp) if self.prefix is not None else set()
+        if (
+            len(free) != len(self._free)
+            or free & self._held
+            or cached & (free | self._held)
+            or len(free) + len(cached) + len(self._held) != self.total
+        ):
             raise AssertionError(
-                f"pool accounting broken: held={len(self._held)} free={len(self._free)} total={self.total}"
+                f"pool accounting broken: held={len(self._held)} cached-free={len(cached)} free={len(self._free)} "
+                f"total={self.total}"
             )
+        stray = set(self._extra) - self._held
+        if stray or any(n < 1 for n in self._extra.values()):
+            raise AssertionError(f"pool accounting broken: extra holders on pages not held: {sorted(stray)}")
+        if self.prefix is not None:
+            published = set(self.prefix._key_of)
+            if published & free or not cached <= published or len(self.prefix._page_of) != len(published):
+                raise AssertionError(
+                    f"pool accounting broken: published pages on the free list {sorted(published & free)}, "
+                    f"cached-free pages not published {sorted(cached - published)}"
+                )

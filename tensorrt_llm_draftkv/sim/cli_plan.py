@@ -22,8 +22,10 @@ from ..manager.planner import (
     PoolReport,
     format_bytes,
     format_report,
+    format_savings,
     gib_to_bytes,
     plan_pool,
+    prefix_reuse_savings,
     trail_tokens_for,
 )
 
@@ -137,6 +139,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         help="tensor-parallel ranks: KV heads are sharded over them (ceil(heads / tp) per rank)",
     )
     p.add_argument("--json", metavar="FILE", default=None, help="also write the whole report as JSON to FILE")
+    p.add_argument(
+        "--shared-prefix", type=non_negative_int, default=0, metavar="N",
+        help="also print what block reuse saves per request sharing an N-token prefix (pages, bytes, per pool)",
+    )
 
     b = p.add_argument_group("draft pool budget (one of --pool-gib, --max-tokens, --memory-fraction)")
     forms = b.add_mutually_exclusive_group()
@@ -314,6 +320,10 @@ def run_plan(args: argparse.Namespace) -> int:
     print(format_report(report, args.tokens_per_block))
     print(_budget_line(budget, report))
     result = {"inputs": _inputs(args), "draft": {**report.to_dict(), "budget": budget}}
+    if args.shared_prefix:
+        saved = prefix_reuse_savings(report.name, geometry, args.shared_prefix, trail_tokens=report.trail_tokens)
+        print(format_savings(saved))
+        result["draft"]["shared_prefix_savings"] = saved.to_dict()
     errors = [_shortfall_message(report, args.tokens_per_block)]
 
     target_groups = _groups(args.target_num_layers, args.target_window, args.target_num_full_layers)
@@ -329,6 +339,10 @@ def run_plan(args: argparse.Namespace) -> int:
         print()
         print(format_report(target_report, args.tokens_per_block))
         print(_budget_line(target_budget, target_report))
+        if args.shared_prefix:
+            saved = prefix_reuse_savings("target", target, args.shared_prefix)
+            print(format_savings(saved))
+            result["target_shared_prefix_savings"] = saved.to_dict()
         both = min(report.max_concurrency, target_report.max_concurrency)
         both_aligned = min(report.max_concurrency_aligned, target_report.max_concurrency_aligned)
         print(f"\nconcurrent requests both pools hold: {both} ({both_aligned} with the aligned charge)")

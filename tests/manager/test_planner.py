@@ -25,7 +25,7 @@ WORKED = [
     "--tokens-per-block", "32",
     "--window", "4096",
 ]
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the repository root (tests/manager/ is two levels down)
 
 
 def _row(out: str) -> list[str]:

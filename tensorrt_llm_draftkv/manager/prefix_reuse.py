@@ -1,0 +1,158 @@
+"""Block reuse in a manager: find a prompt's prefix hit, adopt it, publish history after each chunk.
+
+Coordinates: token counts from absolute position 0; a hit is a whole number of
+pages, block ordinals `[0, n)`. The public functions are `KVCacheManagerV2`
+methods (hence `self`), kept here; docs/block_reuse.md tells the whole story.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..request import LlmRequest
+from ..runtime import BAD_PAGE_INDEX
+from ..runtime.prefix_cache import PageKey, longest_valid_prefix, page_tokens
+
+if TYPE_CHECKING:
+    from .kv_cache_manager import KVCacheManagerV2
+
+
+@dataclass(frozen=True)
+class PrefixLookup:
+    """One manager's view of a prompt's first full pages, per layer group.
+
+    `keys[g][i]` is ordinal i's key and `pages[g][i]` the page published under it
+    (None if none). A full-attention group's lists stop at its first miss (no
+    hit can reach past it); a windowed group's cover every page asked for.
+    """
+
+    keys: list[list[PageKey]]
+    pages: list[list[int | None]]
+    windows: list[tuple[int | None, int]]  # (window, sinks) per group, widened as the pool's
+
+    def present(self) -> list[list[bool]]:
+        return [[p is not None for p in row] for row in self.pages]
+
+
+def lookup(manager: KVCacheManagerV2, req: LlmRequest, num_pages: int) -> PrefixLookup:
+    """Keys and published pages of `req`'s first `num_pages` pages in `manager`'s pools. Changes nothing."""
+    probe = manager._new_cache(req.py_request_id)  # holds no page: only its chain roots are used
+    tokens = page_tokens(req.tokens, manager.tokens_per_block, 0, num_pages)
+    hashes = [hash(t) for t in tokens]  # shared by every group: only the chain differs
+    keys, pages, windows = [], [], []
+    for g, group in enumerate(manager.layer_groups):
+        lc = group.life_cycle
+        group_keys, group_pages = group.pool.prefix.match(
+            tokens, hashes, probe.prefix_root(g), stop_at_miss=lc.window is None
+        )
+        keys.append(group_keys)
+        pages.append(group_pages)
+        windows.append((lc.window, lc.sink_blocks))
+    return PrefixLookup(keys, pages, windows)
+
+
+def find_prefix_hit(self: KVCacheManagerV2, req: LlmRequest) -> int:
+    """Tokens of `req`'s prompt, from position 0, that can be reused: a whole number of pages.
+
+    Valid in every layer group of this manager and of every joint partner
+    (`pair_joint_reuse`): a full-attention group needs every page below the hit
+    published, a windowed group only the pages its window (and sinks) still reads
+    at history = hit. At least one prompt token is always left to compute. 0
+    without block reuse. Changes nothing.
+    """
+    tokens, _ = _find(self, req)
+    return tokens
+
+
+def _find(self: KVCacheManagerV2, req: LlmRequest) -> tuple[int, list[PrefixLookup]]:
+    managers = [self, *self._reuse_partners]
+    if not all(m.block_reuse for m in managers):
+        return 0, []
+    cap = max(req.prompt_len - 1, 0) // self.tokens_per_block
+    if cap == 0:
+        return 0, []
+    found = [lookup(m, req, cap) for m in managers]
+    windows = [w for f in found for w in f.windows]
+    present = [row for f in found for row in f.present()]
+    return longest_valid_prefix(windows, present, cap, self.tokens_per_block) * self.tokens_per_block, found
+
+
+def adopt(manager: KVCacheManagerV2, req: LlmRequest, tokens: int, found: PrefixLookup) -> None:
+    """Create `req`'s cache at `tokens` of history on the published pages of `found` (see `KVCache.adopt_prefix`)."""
+    p = manager.tokens_per_block
+    n = tokens // p
+    rows = []
+    for g, group in enumerate(manager.layer_groups):
+        lo, hi = group.life_cycle.stale_range(tokens, p)
+        have = found.pages[g]
+        row = [BAD_PAGE_INDEX if lo <= i < hi else (have[i] if i < len(have) else None) for i in range(n)]
+        missing = [i for i, page in enumerate(row) if page is None]
+        if missing:
+            raise manager._prefix_error(req, tokens, g, missing)
+        rows.append(row)
+    cache = manager._new_cache(req.py_request_id)
+    cache.adopt_prefix(tokens, rows, found.keys)
+    manager._caches[req.py_request_id] = cache
+
+
+def reuse_prefixes(self: KVCacheManagerV2, requests: list[LlmRequest]) -> None:
+    """Before any growth of a step, give each fresh context request its prefix hit.
+
+    A target manager leads: a request still at position 0 gets the hit of
+    `find_prefix_hit`, its cache adopts the pages and its target view skips them
+    (`LlmRequest.skip_reused_prefix`). A joint draft mirror follows: it adopts
+    exactly `req.reused_tokens` from its own pool (the target's lookup already
+    required them there). All hits are pinned before the step allocates, so one
+    request's growth cannot evict the pages another's hit needs.
+    """
+    if not self.block_reuse:
+        return
+    for req in requests:
+        if req.is_dummy or req.py_request_id in self._caches:
+            continue
+        if self._mirror_policy is None:
+            if req.target_view.position != 0 or req.reused_tokens:
+                continue
+            tokens, found = _find(self, req)
+            if tokens:
+                adopt(self, req, tokens, found[0])
+                req.skip_reused_prefix(tokens)
+        elif req.reused_tokens > 0:
+            tokens = req.reused_tokens
+            if tokens % self.tokens_per_block or tokens >= req.prompt_len:
+                raise ValueError(
+                    f"{self.error_label}: request {req.py_request_id} reuses {tokens} tokens of a {req.prompt_len}-token "
+                    f"prompt, not a whole number of {self.tokens_per_block}-token pages below the prompt's end"
+                )
+            adopt(self, req, tokens, lookup(self, req, tokens // self.tokens_per_block))
+
+
+def publish_history(self: KVCacheManagerV2, req: LlmRequest, position: int) -> None:
+    """After a chunk: publish the prompt's full pages below `position` that the cache still backs."""
+    cache = self._caches[req.py_request_id]
+    done = min(position, req.prompt_len, cache.history_length)
+    if done > cache.committed:
+        cache.commit(done, req.tokens)
+
+
+def pair_joint_reuse(self: KVCacheManagerV2, draft_manager: KVCacheManagerV2) -> None:
+    """Make this target manager's hits joint with `draft_manager`'s pool (`joint_kv_cache_reuse`).
+
+    From now on a hit counts only pages both pools hold, so the draft mirror can
+    adopt the same prefix with the drafter's K/V. Both managers need block reuse
+    and the same page size (ValueError naming both otherwise).
+    """
+    if draft_manager is self:
+        raise ValueError(f"{self.error_label}: a manager cannot pair with itself")
+    if not (self.block_reuse and draft_manager.block_reuse):
+        raise ValueError(
+            f"joint block reuse needs block reuse on both pools: {self.error_label} {self.block_reuse}, "
+            f"{draft_manager.error_label} {draft_manager.block_reuse} (a draft pool also needs joint_kv_cache_reuse)"
+        )
+    if draft_manager.tokens_per_block != self.tokens_per_block:
+        raise ValueError(
+            f"joint block reuse needs one page size: {self.error_label} P={self.tokens_per_block}, "
+            f"{draft_manager.error_label} P={draft_manager.tokens_per_block}"
+        )
+    if draft_manager not in self._reuse_partners:
+        self._reuse_partners.append(draft_manager)
