@@ -32,6 +32,8 @@ GEOMETRY_FLAGS = {
     "drafter_slots": "--drafter-slots",
     "max_seq_len": "--max-seq-len",
     "device": "--device",
+    "drafter_handoff": "--drafter-handoff",
+    "handoff_form": "--handoff-form",
 }
 # Setup fields a run may override: a flag for one of them wins over the runs' own values.
 RUN_OVERRIDES = ("draft_window", "max_new_tokens", "drafter_slots")
@@ -78,6 +80,24 @@ def drafter_mode(text: str):
 
     try:
         return parse_drafter(text)
+    except ScenarioError as err:
+        raise argparse.ArgumentTypeError(err.message) from None
+
+
+def handoff_mode(text: str):
+    from .scenario import ScenarioError, parse_handoff
+
+    try:
+        return parse_handoff(text)
+    except ScenarioError as err:
+        raise argparse.ArgumentTypeError(err.message) from None
+
+
+def handoff_form(text: str):
+    from .scenario import ScenarioError, parse_handoff_form
+
+    try:
+        return parse_handoff_form(text)
     except ScenarioError as err:
         raise argparse.ArgumentTypeError(err.message) from None
 
@@ -165,6 +185,21 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         help="turn the trail page off but keep the page-aligned seed (the ablation: shows what the page prevents)",
     )
     g.add_argument("--device", help=f"cpu, cuda or cuda:N (default {d.device})")
+    g.add_argument(
+        "--drafter-handoff",
+        type=handoff_mode,
+        metavar="{window,none}",
+        help="what a disaggregated context worker sends for the drafter under history sizing: the drafter context "
+        "the generation worker can still read (window) or nothing, an empty seed (none) "
+        f"(default {d.drafter_handoff.value}; legacy sizing never sends one)",
+    )
+    g.add_argument(
+        "--handoff-form",
+        type=handoff_form,
+        metavar="{kv,hidden}",
+        help=f"the drafter context as the drafter's K/V (kv) or the hidden states it projects (hidden) "
+        f"(default {d.handoff_form.value})",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write one record per row (its folder must exist)")
     o.add_argument("--plot", metavar="FILE.png", help="draw draft-pool occupancy over steps (needs matplotlib)")
@@ -342,11 +377,14 @@ def run_simulate(args: argparse.Namespace) -> int:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
     from ..manager.rules import MirrorSizing
-    from .simulate import format_table, simulate, write_json, write_plot
+    from .simulate import format_pairs, format_table, simulate, write_json, write_plot
 
     sizings = [MirrorSizing.HISTORY, MirrorSizing.LEGACY] if args.sizing == "both" else [MirrorSizing(args.sizing)]
     results = simulate(scenario, sizings, progress=(args.progress or sys.stderr.isatty()) and not args.quiet)
     print(format_table(results))
+    pairs = format_pairs(results)
+    if pairs:
+        print(f"\n{pairs}")
     try:
         if args.json:
             write_json(results, args.json, scenario)

@@ -11,25 +11,70 @@ has its own GPU). Each rank reports to the parent through one queue: its result
 (or crash) once, and, when the parent asks for progress, `(steps, finished,
 foreign accesses)` after every step it runs, which the parent draws.
 
+With the drafter-context handoff (`drafter_handoff="window"`, the default under
+`history` sizing) the context worker runs the drafter's context stores too and
+sends, beside the target K/V, the drafter context the generation worker's
+drafter can still read (`speculative/handoff.py`: the pages the generation-init
+mirror backs below the prompt end), plus the drafts its drafter proposed with
+the first token. The generation worker checks the context's geometry against
+its own, writes it onto exactly those pages through the drafter's checked store,
+and seeds the request's first slot with it (`DFlashSpecMetadata.seed_context`).
+A context made for another geometry is refused (the request does not run)
+unless the worker was told to fall back to the empty seed (`fallback=True`).
+
 Wire format per request: an int64 header `[request_id, prompt_len, num_tokens,
-num_groups, lo_0, ..]`, the token ids, then K and V of positions `[lo_g, prompt_len)`
-for each layer group g. A header with request_id -1 ends the stream.
+num_groups, num_drafts, drafter_context, lo_0, ..]`, the token ids, K and V of
+positions `[lo_g, prompt_len)` for each target layer group g, the draft tokens
+(when num_drafts > 0), then, when drafter_context is 1, the drafter context: its
+geometry header (`DrafterContextGeometry.to_wire`, version first) and its
+tensors, shaped by that header (form `kv`: `[n_g, layers_g, 2, heads, head_dim]`
+per draft group; form `hidden`: one `[n, hidden_size]`). A header with
+request_id -1 ends the stream.
 """
 from __future__ import annotations
 
 import queue as _queue
 import socket
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ..request import LlmRequest, LlmRequestState
+from ..speculative.handoff import (
+    HEADER_INTS,
+    DrafterContextGeometry,
+    DrafterContextMismatch,
+    DrafterHandoff,
+    HandoffForm,
+)
 
 MAX_GROUPS = 8
-_HEADER = 4 + MAX_GROUPS
+_HEADER = 6 + MAX_GROUPS
+
+
+@dataclass(frozen=True)
+class HandoffSettings:
+    """A worker's drafter-context handoff: what the context worker sends, what the generation worker takes.
+
+    `mode`: `window` (send / take the readable drafter context) or `none`
+    (nothing; an empty seed). `form`: what the context worker sends (`kv` or
+    `hidden`). `fallback`: a generation worker that receives a context made for
+    another geometry seeds an empty slot instead of refusing the request.
+    """
+
+    mode: DrafterHandoff = DrafterHandoff.WINDOW
+    form: HandoffForm = HandoffForm.KV
+    fallback: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", DrafterHandoff.parse(self.mode))
+        object.__setattr__(self, "form", HandoffForm.parse(self.form))
+
+
+NO_HANDOFF = HandoffSettings(DrafterHandoff.NONE)
 
 
 class RankProgress(Protocol):
@@ -49,12 +94,34 @@ def foreign_accesses(executor) -> int:
 
 @dataclass
 class Transfer:
+    """One request from the context worker: tokens, target K/V of `[group_lo[g], prompt_len)`, and optionally
+    the drafts and the drafter context (`drafter_geometry` describes `drafter_payload`)."""
+
     request_id: int
     prompt_len: int
     tokens: torch.Tensor
     group_lo: list[int]
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    drafts: list[int] = field(default_factory=list)
+    drafter_geometry: DrafterContextGeometry | None = None
+    drafter_payload: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def drafter_bytes(self) -> int:
+        """Bytes of the drafter context on the wire (0 without one)."""
+        return sum(t.numel() * t.element_size() for t in self.drafter_payload)
+
+
+def payload_shapes(geometry: DrafterContextGeometry, prompt_len: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every drafter-context tensor a header announces, in wire order."""
+    if geometry.form is HandoffForm.HIDDEN:
+        lo, hi = geometry.hidden_range(prompt_len)
+        return [((hi - lo, geometry.hidden_size), geometry.hidden_dtype or geometry.dtype)]
+    return [
+        ((hi - lo, n, 2, geometry.num_kv_heads, geometry.head_dim), geometry.dtype)
+        for (lo, hi), n in zip(geometry.ranges(prompt_len), geometry.layers)
+    ]
 
 
 def free_port() -> int:
@@ -75,8 +142,11 @@ class Channel:
     def send(self, item: Transfer | None) -> None:
         header = torch.full((_HEADER,), -1, dtype=torch.long)
         if item is not None:
-            header[:4] = torch.tensor([item.request_id, item.prompt_len, item.tokens.numel(), len(item.group_lo)])
-            header[4 : 4 + len(item.group_lo)] = torch.tensor(item.group_lo)
+            header[:6] = torch.tensor([
+                item.request_id, item.prompt_len, item.tokens.numel(), len(item.group_lo), len(item.drafts),
+                int(item.drafter_geometry is not None),
+            ])
+            header[6 : 6 + len(item.group_lo)] = torch.tensor(item.group_lo)
         dist.send(header.to(self.wire), self.peer)
         if item is None:
             return
@@ -84,6 +154,17 @@ class Channel:
         for k, v in zip(item.keys, item.values):
             dist.send(k.to(self.wire, self.dtype).contiguous(), self.peer)
             dist.send(v.to(self.wire, self.dtype).contiguous(), self.peer)
+        if item.drafts:
+            dist.send(torch.tensor(item.drafts, dtype=torch.long, device=self.wire), self.peer)
+        if item.drafter_geometry is not None:
+            geometry = item.drafter_geometry
+            dist.send(torch.tensor(geometry.to_wire(), dtype=torch.long, device=self.wire), self.peer)
+            for t, (shape, dtype) in zip(item.drafter_payload, payload_shapes(geometry, item.prompt_len)):
+                if tuple(t.shape) != shape:
+                    raise ValueError(
+                        f"request {item.request_id}: drafter context tensor {tuple(t.shape)}, the header says {shape}"
+                    )
+                dist.send(t.to(self.wire, dtype).contiguous(), self.peer)
 
     def recv(self) -> Transfer | None:
         header = torch.empty(_HEADER, dtype=torch.long, device=self.wire)
@@ -91,8 +172,8 @@ class Channel:
         header = header.cpu()
         if int(header[0]) < 0:
             return None
-        rid, prompt_len, num_tokens, num_groups = (int(x) for x in header[:4])
-        group_lo = [int(x) for x in header[4 : 4 + num_groups]]
+        rid, prompt_len, num_tokens, num_groups, num_drafts, has_ctx = (int(x) for x in header[:6])
+        group_lo = [int(x) for x in header[6 : 6 + num_groups]]
         tokens = torch.empty(num_tokens, dtype=torch.long, device=self.wire)
         dist.recv(tokens, self.peer)
         keys, values = [], []
@@ -103,7 +184,23 @@ class Channel:
             dist.recv(v, self.peer)
             keys.append(k)
             values.append(v)
-        return Transfer(rid, prompt_len, tokens, group_lo, keys, values)
+        item = Transfer(rid, prompt_len, tokens, group_lo, keys, values)
+        if num_drafts > 0:
+            drafts = torch.empty(num_drafts, dtype=torch.long, device=self.wire)
+            dist.recv(drafts, self.peer)
+            item.drafts = drafts.cpu().tolist()
+        if has_ctx:
+            raw = torch.empty(HEADER_INTS, dtype=torch.long, device=self.wire)
+            dist.recv(raw, self.peer)
+            # Shaped by the sender's header, whatever this worker expects: the stream stays in step
+            # and the receiver decides afterwards whether to take it.
+            geometry = DrafterContextGeometry.from_wire(raw.cpu().tolist())
+            item.drafter_geometry = geometry
+            for shape, dtype in payload_shapes(geometry, prompt_len):
+                t = torch.empty(shape, dtype=dtype, device=self.wire)
+                dist.recv(t, self.peer)
+                item.drafter_payload.append(t)
+        return item
 
 
 def transfer_range(prompt_len: int, window: int | None) -> tuple[int, int]:
@@ -120,8 +217,20 @@ def transfer_range(prompt_len: int, window: int | None) -> tuple[int, int]:
     return max(0, prompt_len + 1 - window), prompt_len
 
 
+def handoff_settings(executor) -> HandoffSettings:
+    """The worker's handoff settings (`executor.drafter_handoff`); none without a drafter."""
+    settings = getattr(executor, "drafter_handoff", None)
+    if settings is None or executor.speculator is None or not hasattr(executor.speculator, "handoff_geometry"):
+        return NO_HANDOFF
+    return settings
+
+
 def transfer_from(req: LlmRequest, executor) -> Transfer:
-    """What the context worker sends for a request whose first token exists (pages still held)."""
+    """What the context worker sends for a request whose first token exists (pages still held).
+
+    With a drafter and `drafter_handoff` `window`: also its drafter context
+    (`DFlashSpeculator.export_context`) and the drafts it proposed with the first token.
+    """
     model = executor.target_model
     rid, m = req.py_request_id, req.prompt_len
     group_lo, keys, values = [], [], []
@@ -132,11 +241,46 @@ def transfer_from(req: LlmRequest, executor) -> Transfer:
         keys.append(k)
         values.append(v)
     tokens = torch.tensor(req.tokens[: m + 1], dtype=torch.long)
-    return Transfer(rid, m, tokens, group_lo, keys, values)
+    item = Transfer(rid, m, tokens, group_lo, keys, values)
+    settings = handoff_settings(executor)
+    if settings.mode is DrafterHandoff.WINDOW:
+        speculator = executor.speculator
+        geometry = speculator.handoff_geometry(settings.form)
+        item.drafter_geometry = geometry
+        item.drafter_payload = [t.cpu() for t in speculator.export_context(req, executor.tokens[rid], geometry)]
+        item.drafts = [int(t) for t in (req.py_draft_tokens or [])]
+    return item
+
+
+def _accepted_context(item: Transfer, executor, settings: HandoffSettings) -> bool:
+    """Does this generation worker take the item's drafter context? Checked before anything is allocated.
+
+    Raises `DrafterContextMismatch` (naming both geometries) for a context made
+    for another geometry, unless `settings.fallback` (then it is dropped, counted,
+    and the slot gets the empty seed).
+    """
+    if item.drafter_geometry is None or settings.mode is not DrafterHandoff.WINDOW:
+        return False
+    expected = executor.speculator.handoff_geometry(item.drafter_geometry.form)
+    try:
+        expected.check_compatible(item.drafter_geometry, request_id=item.request_id)
+    except DrafterContextMismatch as err:
+        if not settings.fallback:
+            raise
+        executor.stats.handoff_fallbacks += 1
+        executor.stats.first_error = executor.stats.first_error or str(err).splitlines()[0]
+        return False
+    return True
 
 
 def admit_transfer(item: Transfer, executor) -> LlmRequest:
-    """Generation worker: build both generation-init caches and write the received K/V."""
+    """Generation worker: build both generation-init caches, write the received K/V and drafter context.
+
+    All or nothing: a refused drafter context (`DrafterContextMismatch`) or an
+    admission refusal allocates nothing; a failure after the caches exist frees them.
+    """
+    settings = handoff_settings(executor)
+    take_context = _accepted_context(item, executor, settings)
     req = LlmRequest(
         item.request_id,
         prompt_len=item.prompt_len,
@@ -149,11 +293,28 @@ def admit_transfer(item: Transfer, executor) -> LlmRequest:
     try:
         if executor.draft_manager is not None:
             executor.draft_manager.prepare_disagg_gen_init(req)
+        if take_context:
+            executor.speculator.import_context(req.py_request_id, item.prompt_len, item.drafter_geometry,
+                                               item.drafter_payload)
     except Exception:
         executor.target_manager.free_resources(req)
+        if executor.draft_manager is not None and executor.draft_manager.has_cache(req.py_request_id):
+            executor.draft_manager.free_resources(req)
+        if executor.speculator is not None:
+            executor.speculator.release(req.py_request_id)  # a pending seed, what the checker saw written
         raise
     for g, (lo, k, v) in enumerate(zip(item.group_lo, item.keys, item.values)):
         executor.target_model.write_kv_values(req.py_request_id, lo, k, v, groups=[g])
+    if hasattr(executor.speculator, "handoff_geometry") and executor.draft_manager is not None:
+        own = executor.speculator.handoff_geometry(settings.form)
+        full = own.payload_bytes(item.prompt_len, whole_prompt=True)
+        sent = item.drafter_bytes if take_context else 0
+        executor.stats.full_drafter_bytes += full
+        executor.stats.drafter_bytes_sent += sent
+        executor.stats.drafter_bytes_by_request[req.py_request_id] = (item.prompt_len, sent, full)
+    if take_context:
+        # The context worker's drafter proposed these with the first token, from the same context.
+        req.py_draft_tokens = list(item.drafts[: executor.scheduler.config.max_draft_len])
     req.state = LlmRequestState.GENERATION_IN_PROGRESS  # the transfer is complete: it decodes now
     executor.add_generation_request(req, item.tokens)
     return req
@@ -228,7 +389,7 @@ def _generation_rank(executor, report: Callable[[Any], None] | None = None):
             elif not dead:
                 try:
                     admit_transfer(item, executor)
-                except AdmissionRefused as err:
+                except (AdmissionRefused, DrafterContextMismatch) as err:
                     executor.refuse(err)  # this request never runs; the others go on
                 except KVCacheResizeError as err:
                     # The executor dies here; keep draining so the context worker can finish.

@@ -225,6 +225,15 @@ class DFlashDrafter:
         written there (a real kernel would scribble somewhere); the checker
         counts it.
         """
+        self._write_for(
+            self.meta.rows[row].request_id, gi, positions, ordinals, pages, offsets, kv, self._owned_row(row, gi)
+        )
+
+    def _write_for(
+        self, request_id: int, gi: int, positions: torch.Tensor, ordinals: torch.Tensor, pages: torch.Tensor,
+        offsets: torch.Tensor, kv: torch.Tensor, owned_row: torch.Tensor | None,
+    ) -> None:
+        """:meth:`_write` for a request named by id (it need not be a row of this step)."""
         group = self._groups[gi]
         pages, offsets = pages.long(), offsets.long()
         stored = offsets >= 0
@@ -236,8 +245,7 @@ class DFlashDrafter:
             return
         if self.checker is not None:
             self.checker.record_write(
-                self.meta.rows[row].request_id, group.index, group.layers, positions, ordinals, pages, kv,
-                owned_row=self._owned_row(row, gi),
+                request_id, group.index, group.layers, positions, ordinals, pages, kv, owned_row=owned_row
             )
         backed = pages >= 0
         if not bool(backed.all()):
@@ -289,6 +297,66 @@ class DFlashDrafter:
                 storage[page[ok], :, :, positions[ok] % P, :] = kv[:, li]
             if self.checker is not None:
                 self.checker.mark_reused(rid, group.index, group.layers, positions[ok], kv)
+
+    # ------------------------------------------------------------------ disaggregated handoff
+    def mirror_pages(self, request_id: int, gi: int, lo: int, end: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions, pages)`` of absolute positions ``[lo, end)`` on the request's own row of group ``gi``.
+
+        Raises ``ValueError`` naming the request and the numbers when a position's ordinal is not backed.
+        """
+        dm = self.draft_manager
+        if dm is None:
+            raise ValueError(f"request {request_id}: {what} needs a shared draft pool")
+        P = self.meta.tokens_per_block
+        group = self._groups[gi]
+        row = dm.get_cache(request_id).block_row(group.index)
+        first, last = lo // P, (end - 1) // P
+        if end > lo and (last >= len(row) or min(row[first : last + 1]) < 0):
+            backed = [i for i, page in enumerate(row) if page >= 0]
+            raise ValueError(
+                f"request {request_id}: {what} of positions [{lo}, {end}) in layer group {group.index} needs pages "
+                f"{first}..{last}, but its draft mirror backs only ordinals "
+                f"{(backed[0], backed[-1]) if backed else 'none'}"
+            )
+        positions = torch.arange(lo, end, dtype=torch.int64, device=self.device)
+        table = torch.tensor(row[first : last + 1] if end > lo else [], dtype=torch.int64, device=self.device)
+        return positions, table[positions // P - first] if end > lo else positions
+
+    def read_stored(self, request_id: int, gi: int, lo: int, end: int) -> torch.Tensor:
+        """``[n, Lg, 2, H, D]``: the K/V this pool holds for absolute positions ``[lo, end)`` of a request.
+
+        What a context worker sends (form a): read straight from the pages of the
+        request's own row, whatever slot stored them.
+        """
+        positions, pages = self.mirror_pages(request_id, gi, lo, end, "reading the stored drafter context")
+        return self._gather(gi, pages, positions % self.meta.tokens_per_block).clone()
+
+    def project(self, gi: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``[n, Lg, 2, H, D]`` K/V the drafter stores for hidden states ``[n, F]`` at absolute ``positions``."""
+        positions = torch.as_tensor(positions, dtype=torch.int64, device=self.device).reshape(-1)
+        return self._project_group(gi, hidden, positions)
+
+    def write_received(self, request_id: int, gi: int, lo: int, kv: torch.Tensor) -> None:
+        """Write a received drafter context ``kv`` (``[n, Lg, 2, H, D]``, absolute positions ``[lo, lo + n)``).
+
+        Goes through the same checked store as every other drafter write: each
+        position lands on ordinal ``s // P`` of the request's own row, and the
+        ownership checker records it (so reads later compare against it). Every
+        ordinal must be backed; otherwise ``ValueError`` and nothing is written.
+        """
+        group = self._groups[gi]
+        c = self.config
+        want = (len(group.layers), 2, c.num_kv_heads, c.head_dim)
+        if kv.dim() != 5 or tuple(kv.shape[1:]) != want:
+            raise ValueError(
+                f"request {request_id}: a received drafter context for layer group {group.index} must be "
+                f"[n, {', '.join(map(str, want))}], got {tuple(kv.shape)}"
+            )
+        end = lo + kv.shape[0]
+        positions, pages = self.mirror_pages(request_id, gi, lo, end, "writing a received drafter context")
+        P = self.meta.tokens_per_block
+        kv = kv.to(device=self.device, dtype=c.dtype)
+        self._write_for(request_id, gi, positions, positions // P, pages, positions % P, kv, None)
 
     # ------------------------------------------------------------------ executor API
     def store_context(

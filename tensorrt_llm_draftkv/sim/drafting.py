@@ -22,6 +22,7 @@ from ..manager import DraftKVCacheManagerV2
 from ..manager.rules import MirrorSizing
 from ..request import LlmRequest, ScheduledRequests
 from ..speculative import DFlashSpecMetadata, Seeding
+from ..speculative.handoff import DrafterContextGeometry, HandoffForm
 from .drafter import DFlashDrafter, DFlashDrafterConfig
 from .features import TokenFeatures
 from .ownership import OwnershipChecker
@@ -112,6 +113,11 @@ class DFlashSpeculator:
         self.slot_reseeds = 0
         #: largest p - b*P of any generation seed: how far a seeded slot trails its request
         self.max_seed_lag_tokens = 0
+        #: generation slots seeded from a received drafter context (disaggregated handoff)
+        self.handoff_seeds = 0
+        #: reseeds, after a slot loss, of requests whose first slot had a received context: nothing to draw on
+        self.reseeds_without_handoff = 0
+        self._handed_off: set[int] = set()  # requests whose first slot was seeded from a received context
 
     def _count(self, name: str) -> int:
         return 0 if self.checker is None else getattr(self.checker, name, 0)
@@ -141,13 +147,19 @@ class DFlashSpeculator:
         self.meta.prepare(batch, self.drafter.draft_manager)
         if self.audit:
             self._audit()
+        received = set(self.meta.slots.last_context_seeded)
         for row in self.meta.rows:
             seed = self.meta.seeds.get(row.request_id)
             if seed is None or row.kind != "generation":
                 continue
             self.max_seed_lag_tokens = max(self.max_seed_lag_tokens, seed.offset)
-            if row.request_id in self._had_slot:
+            if row.request_id in received:
+                self.handoff_seeds += 1
+                self._handed_off.add(row.request_id)
+            elif row.request_id in self._had_slot:
                 self.slot_reseeds += 1
+                if row.request_id in self._handed_off:
+                    self.reseeds_without_handoff += 1
         self._had_slot.update(r.request_id for r in self.meta.rows if r.kind != "dummy")
         for rid in wanted:
             self._recent.pop(rid, None)
@@ -237,6 +249,87 @@ class DFlashSpeculator:
                 out[rid] = [int(t) for t in drafts[row].tolist() if t >= 0]
         return out
 
+    # -- disaggregated handoff ---------------------------------------------------------
+    def handoff_geometry(self, form: HandoffForm | str = HandoffForm.KV) -> DrafterContextGeometry:
+        """This drafter's context geometry: what it sends (context worker) or accepts (generation worker)."""
+        dm = self.draft_manager
+        cfg = dm.config
+        return DrafterContextGeometry(
+            tokens_per_block=cfg.tokens_per_block,
+            windows=tuple(g.window for g in cfg.layer_groups),
+            layers=tuple(g.num_layers for g in cfg.layer_groups),
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=cfg.dtype,
+            trail_tokens=dm.draft_slot_trail_tokens,
+            form=form,
+            hidden_size=self.features.feature_dim,
+            hidden_dtype=self.features.E.dtype,
+        )
+
+    def export_context(self, req: LlmRequest, tokens: torch.Tensor, geometry: DrafterContextGeometry) -> list[torch.Tensor]:
+        """Context worker, prompt computed (pages still held): the drafter context the generation worker can read.
+
+        Form ``kv``: per layer group, the K/V this drafter stored for positions
+        ``geometry.group_range(g, m)``, read from the request's own pages. Form
+        ``hidden``: one ``[n, F]`` tensor of the hidden states of ``geometry.hidden_range(m)``.
+        """
+        m = req.prompt_len
+        if geometry.form is HandoffForm.HIDDEN:
+            lo, hi = geometry.hidden_range(m)
+            return [self._hidden(tokens, lo, hi)]
+        return [
+            self.drafter.read_stored(req.py_request_id, gi, lo, hi)
+            for gi, (lo, hi) in enumerate(geometry.ranges(m))
+        ]
+
+    def import_context(
+        self, request_id: int, prompt_len: int, geometry: DrafterContextGeometry, payload: Sequence[torch.Tensor]
+    ) -> tuple[int, int]:
+        """Generation worker, after ``prepare_disagg_gen_init``: write a received drafter context and seed the slot.
+
+        Every position goes through the drafter's checked store onto the
+        request's own pages (the mirror's window below ``m``); the request's
+        first slot then starts with context ``[lo, m)``, ``lo`` the first received
+        position of every group. Returns ``(lo, m)``. The caller has checked the
+        geometry; a tensor of the wrong shape or an unbacked page raises
+        ``ValueError`` before the slot is seeded.
+        """
+        m = prompt_len
+        ranges = geometry.ranges(m)
+        if geometry.form is HandoffForm.HIDDEN:
+            (hidden,) = payload
+            hlo, hi = geometry.hidden_range(m)
+            if tuple(hidden.shape) != (hi - hlo, self.features.feature_dim):
+                raise ValueError(
+                    f"request {request_id}: received hidden states {tuple(hidden.shape)}, expected "
+                    f"[{hi - hlo}, {self.features.feature_dim}] for positions [{hlo}, {hi})"
+                )
+            hidden = hidden.to(device=self.features.E.device)
+            kvs = [
+                self.drafter.project(gi, hidden[lo - hlo :], torch.arange(lo, m)) for gi, (lo, _) in enumerate(ranges)
+            ]
+        else:
+            kvs = list(payload)
+            if len(kvs) != len(ranges):
+                raise ValueError(f"request {request_id}: received {len(kvs)} drafter K/V tensors for {len(ranges)} groups")
+            for (lo, hi), n, kv in zip(ranges, geometry.layers, kvs):
+                want = (hi - lo, n, 2, geometry.num_kv_heads, geometry.head_dim)
+                if tuple(kv.shape) != want:
+                    raise ValueError(
+                        f"request {request_id}: received drafter K/V {tuple(kv.shape)}, expected {want} for "
+                        f"positions [{lo}, {hi})"
+                    )
+        if self.meta.has_slot(request_id):
+            raise ValueError(f"request {request_id}: a received drafter context arrived while it holds a slot")
+        for gi, (lo, hi) in enumerate(ranges):  # every page checked before anything is written
+            self.drafter.mirror_pages(request_id, gi, lo, hi, "writing a received drafter context")
+        for gi, ((lo, _), kv) in enumerate(zip(ranges, kvs)):
+            self.drafter.write_received(request_id, gi, lo, kv)
+        lo = geometry.seed_start(m)
+        self.meta.seed_context(request_id, lo, m, self.draft_manager)
+        return lo, m
+
     def evict(self, request_id: int) -> None:
         """Take a live request's slot away; its next row is seeded afresh."""
         self.meta.evict(request_id)
@@ -247,6 +340,7 @@ class DFlashSpeculator:
         self.meta.free(request_id, missing_ok=True)
         self._recent.pop(request_id, None)
         self._had_slot.discard(request_id)
+        self._handed_off.discard(request_id)
         if self.checker is not None:
             self.checker.forget(request_id)
 

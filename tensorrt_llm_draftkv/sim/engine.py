@@ -89,6 +89,8 @@ class Executor:
         self.speculator = speculator
         self.on_step = on_step
         self.on_complete = on_complete
+        #: disaggregated workers only: the drafter-context handoff (`disagg.HandoffSettings`); None = none
+        self.drafter_handoff = None
         self.tokens: dict[int, torch.Tensor] = {}
         self.stats = RunStats()
         self._started: float | None = None
@@ -143,7 +145,8 @@ class Executor:
             return
         dm.check_admission(req, chunk=self.scheduler.config.chunk_size)
 
-    def refuse(self, err: AdmissionRefused) -> None:
+    def refuse(self, err: Exception) -> None:
+        """A request refused before anything was allocated (admission, or a drafter context it cannot take)."""
         self.stats.refused_requests += 1
         self.stats.first_error = self.stats.first_error or str(err).splitlines()[0]
 

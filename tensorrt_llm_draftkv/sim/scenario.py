@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config import SpeculativeDecodingMode
+from ..speculative.handoff import DrafterHandoff, HandoffForm
 
 MODES = ("aggregated", "disaggregated")
+SIZINGS = ("history", "legacy")
 #: The drafters the simulator's toy DFlash-style drafter stands in for.
 SIM_DRAFTERS = (SpeculativeDecodingMode.DFLASH, SpeculativeDecodingMode.DSPARK)
 #: More requests than this in one run is a typo (`1x100000000`), not a workload.
@@ -61,6 +63,24 @@ def parse_drafter(value: Any, name: str = "drafter") -> SpeculativeDecodingMode:
     return mode
 
 
+def parse_handoff(value: Any, name: str = "drafter_handoff") -> DrafterHandoff:
+    """`window` or `none`: what a disaggregated context worker sends for the drafter."""
+    try:
+        return DrafterHandoff.parse(value)
+    except (TypeError, ValueError):
+        known = " or ".join(m.value for m in DrafterHandoff)
+        raise ScenarioError(name, f"must be {known}, got {value!r}") from None
+
+
+def parse_handoff_form(value: Any, name: str = "handoff_form") -> HandoffForm:
+    """`kv` (the drafter's stored K/V) or `hidden` (the hidden states it projects)."""
+    try:
+        return HandoffForm.parse(value)
+    except (TypeError, ValueError):
+        known = " or ".join(m.value for m in HandoffForm)
+        raise ScenarioError(name, f"must be {known}, got {value!r}") from None
+
+
 def parse_prompt_list(text: str) -> tuple[int, ...]:
     """`131071,262144x4` -> five prompt lengths: comma-separated token counts, `NxK` for K copies of N.
 
@@ -95,7 +115,10 @@ class SimSetup:
 
     Pools are sized by the estimator for `pool_requests` concurrent requests,
     exactly as a deployment would size them; nothing is padded for the demo.
-    A window of `None` is full attention.
+    A window of `None` is full attention. `drafter_handoff`: what a
+    disaggregated context worker sends for the drafter under `history` sizing
+    (`window`, the default, or `none`; `legacy` never sends one), in
+    `handoff_form` (`kv` or `hidden`).
     """
 
     drafter: SpeculativeDecodingMode = SpeculativeDecodingMode.DFLASH
@@ -114,6 +137,8 @@ class SimSetup:
     trail_page: bool = True
     device: str = "cpu"
     max_seq_len: int = 524288 + 1024
+    drafter_handoff: DrafterHandoff = DrafterHandoff.WINDOW
+    handoff_form: HandoffForm = HandoffForm.KV
 
     @property
     def block_size(self) -> int:
@@ -144,6 +169,10 @@ class SimSetup:
     def check(self) -> None:
         """Raise ScenarioError naming the first field this simulator cannot run."""
         parse_drafter(self.drafter)
+        if not isinstance(self.drafter_handoff, DrafterHandoff):
+            raise ScenarioError("drafter_handoff", f"must be window or none, got {self.drafter_handoff!r}")
+        if not isinstance(self.handoff_form, HandoffForm):
+            raise ScenarioError("handoff_form", f"must be kv or hidden, got {self.handoff_form!r}")
         for name, minimum in self._MINIMUMS.items():
             _int(getattr(self, name), name, minimum)
         for name in ("target_window", "draft_window"):
@@ -158,6 +187,8 @@ class SimSetup:
         """The config-file form: every field, the drafter by name, full attention as null."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["drafter"] = self.drafter.value
+        out["drafter_handoff"] = self.drafter_handoff.value
+        out["handoff_form"] = self.handoff_form.value
         return out
 
     @classmethod
@@ -172,6 +203,10 @@ class SimSetup:
                 raise ScenarioError(key, f"unknown field; known: {', '.join(known)}, runs")
             if key == "drafter":
                 value = parse_drafter(value)
+            elif key == "drafter_handoff":
+                value = parse_handoff(value)
+            elif key == "handoff_form":
+                value = parse_handoff_form(value)
             elif key in ("target_window", "draft_window"):
                 value = _window(value, key)
             changes[key] = value
@@ -192,6 +227,12 @@ class RunSpec:
     draft_window: int | None = None  # overrides the setup's for this run (0: full attention)
     max_new_tokens: int | None = None  # overrides the setup's for this run
     note: str = ""  # what the run shows (the default scenario's file says it per run)
+    # Keep one batch row for a waiting prompt (aggregated runs), so more requests generate than there
+    # are drafter slots: the slot shortage a disaggregated generation worker sees.
+    reserve_context_row: bool = False
+    # The sizings this run is shown under (None: every sizing asked for); a run that only exists as
+    # the aggregated twin of a disaggregated run, say, need not run under legacy.
+    sizings: tuple[str, ...] | None = None
 
     def setup_for(self, setup: SimSetup) -> SimSetup:
         """The setup this run uses: the scenario's, with this run's overrides."""
@@ -209,6 +250,12 @@ class RunSpec:
             raise ValueError(f"run {self.name}: mode must be 'aggregated' or 'disaggregated', got {self.mode!r}")
         if not self.prompts or min(self.prompts) < 1:
             raise ValueError(f"run {self.name}: prompts must be positive token counts, got {self.prompts}")
+        if self.sizings is not None and (not self.sizings or set(self.sizings) - set(SIZINGS)):
+            raise ValueError(f"run {self.name}: sizings must be a non-empty subset of {SIZINGS}, got {self.sizings}")
+
+    def runs_under(self, sizing: str) -> bool:
+        """Is this run shown under `sizing` (`history` or `legacy`)?"""
+        return self.sizings is None or sizing in self.sizings
 
     def to_dict(self) -> dict[str, Any]:
         """The config-file form; overrides left unset are left out."""
@@ -221,6 +268,10 @@ class RunSpec:
         for key in ("drafter_slots", "draft_window", "max_new_tokens"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.reserve_context_row:
+            out["reserve_context_row"] = True
+        if self.sizings is not None:
+            out["sizings"] = list(self.sizings)
         if self.note:
             out["note"] = self.note
         return out
@@ -263,6 +314,15 @@ class RunSpec:
                 optional[key] = _int(data[key], f"{where}.{key}")
         if data.get("draft_window") is not None:
             optional["draft_window"] = _int(data["draft_window"], f"{where}.draft_window", minimum=0)
+        if "reserve_context_row" in data:
+            if not isinstance(data["reserve_context_row"], bool):
+                raise ScenarioError(f"{where}.reserve_context_row", f"must be true or false, got {data['reserve_context_row']!r}")
+            optional["reserve_context_row"] = data["reserve_context_row"]
+        if data.get("sizings") is not None:
+            raw_sizings = data["sizings"]
+            if not isinstance(raw_sizings, list) or not raw_sizings or any(x not in SIZINGS for x in raw_sizings):
+                raise ScenarioError(f"{where}.sizings", f"must be a non-empty list of {SIZINGS}, got {raw_sizings!r}")
+            optional["sizings"] = tuple(raw_sizings)
         note = data.get("note", "")
         if not isinstance(note, str):
             raise ScenarioError(f"{where}.note", f"must be a string, got {note!r}")

@@ -22,7 +22,8 @@ from ..manager import DraftKVCacheManagerV2, KVCacheManagerV2
 from ..manager.budget import group_pages_per_request
 from ..manager import rules
 from ..manager.rules import MirrorSizing
-from .disagg import RankPool, foreign_accesses, run_disaggregated
+from ..speculative.handoff import DrafterHandoff
+from .disagg import NO_HANDOFF, HandoffSettings, RankPool, foreign_accesses, run_disaggregated
 from .drafting import build_speculator
 from .engine import Executor, RunStats
 from .prompts import phrase_prompt
@@ -54,6 +55,17 @@ class RunResult:
     skipped_warmups: int
     tokens_per_s: float
     wall_s: float
+    # Disaggregated handoff (None / 0 on aggregated rows): what the context worker sent for the drafter,
+    # its bytes against the whole prompts' drafter context, and what the generation worker did with it.
+    drafter_handoff: str | None = None
+    drafter_bytes_sent: int = 0
+    full_drafter_bytes: int = 0
+    handoff_seeds: int = 0
+    reseeds_without_handoff: int = 0
+    handoff_fallbacks: int = 0
+    # The aggregated run over exactly the same prompts and geometry, and this run's acceptance over its.
+    paired_run: str | None = None
+    acceptance_vs_paired: float | None = None
     draft_pool_occupancy: list[int] = field(default_factory=list, repr=False)
     # The run's own geometry (the scenario's setup with the run's overrides) and its
     # in-flight limit; when unset, `to_json(scenario)` looks the run up by name.
@@ -198,14 +210,27 @@ def warmup_tokens(setup: SimSetup, prompts: tuple[int, ...]) -> int:
     return max(prompts) + setup.max_new_tokens
 
 
+def handoff_for(setup: SimSetup, sizing: MirrorSizing, *, fallback: bool = False) -> HandoffSettings:
+    """The run's drafter handoff: the setup's under `history` sizing; `legacy` never sends one."""
+    if sizing is not MirrorSizing.HISTORY or setup.drafter_handoff is DrafterHandoff.NONE:
+        return NO_HANDOFF
+    return HandoffSettings(setup.drafter_handoff, setup.handoff_form, fallback)
+
+
 def _build_rank(
-    rank: int, setup: SimSetup, sizing: MirrorSizing, max_concurrency: int, slots: int, warmup: int
+    rank: int, setup: SimSetup, sizing: MirrorSizing, max_concurrency: int, slots: int, warmup: int,
+    fallback: bool = False,
 ) -> Executor:
-    # The context worker computes the prompt with the target alone and emits the first token.
+    handoff = handoff_for(setup, sizing, fallback=fallback)
     if rank == 0:
-        return build_executor(replace(setup, max_new_tokens=1), None, max_concurrency, slots)
-    executor = build_executor(setup, sizing, max_concurrency, slots)
-    executor.warmup(num_dummies=1, token_num=warmup)
+        # The context worker computes the prompt and emits the first token: with the target alone,
+        # or, when it hands the drafter context over, with the drafter storing its context as well.
+        with_drafter = sizing if handoff.mode is DrafterHandoff.WINDOW else None
+        executor = build_executor(replace(setup, max_new_tokens=1), with_drafter, max_concurrency, slots)
+    else:
+        executor = build_executor(setup, sizing, max_concurrency, slots)
+        executor.warmup(num_dummies=1, token_num=warmup)
+    executor.drafter_handoff = handoff
     return executor
 
 
@@ -285,7 +310,9 @@ def run_one(
         bar = _Progress(f"{spec.name} ({sizing.value})", len(prompts), bool(progress))
     try:
         if spec.mode == "aggregated":
-            executor = build_executor(setup, sizing, spec.max_concurrency, slots)
+            executor = build_executor(
+                setup, sizing, spec.max_concurrency, slots, reserve_context_row=spec.reserve_context_row
+            )
             executor.warmup(num_dummies=1, token_num=warmup_tokens(setup, spec.prompts))
             for rid, prompt in enumerate(prompts):
                 executor.add_request(rid, prompt)
@@ -336,6 +363,8 @@ def _run_all(scenario: Scenario, sizings, references, progress, ranks) -> list[R
         setup = spec.setup_for(scenario.setup)
         reference = references[setup.max_new_tokens]
         for sizing in sizings:
+            if not spec.runs_under(sizing.value):
+                continue
             bar = _Progress(f"{spec.name} ({sizing.value})", len(spec.prompts), progress)
             try:
                 stats, seeds = run_one(scenario.setup, spec, sizing, progress=bar, ranks=ranks)
@@ -369,20 +398,52 @@ def _run_all(scenario: Scenario, sizings, references, progress, ranks) -> list[R
                     skipped_warmups=stats.skipped_warmups,
                     tokens_per_s=round(stats.tokens_per_s, 1),
                     wall_s=round(stats.wall_s, 2),
+                    drafter_handoff=(
+                        handoff_for(setup, sizing).mode.value if spec.mode == "disaggregated" else None
+                    ),
+                    drafter_bytes_sent=stats.drafter_bytes_sent,
+                    full_drafter_bytes=stats.full_drafter_bytes,
+                    handoff_seeds=stats.handoff_seeds,
+                    reseeds_without_handoff=stats.reseeds_without_handoff,
+                    handoff_fallbacks=stats.handoff_fallbacks,
                     draft_pool_occupancy=stats.draft_pool_occupancy,
                     setup=setup,
                     max_concurrency=spec.max_concurrency,
                     plot_trace=PlotTrace(bar.foreign_per_step, setup.pool_requests * draft_pages_per_request(setup)),
                 )
             )
+    pair_runs(results)
     return results
+
+
+def pair_runs(results: list[RunResult]) -> None:
+    """Give every disaggregated row the aggregated row of the same sizing over exactly the same prompts
+    and geometry (`paired_run`), and its acceptance over that row's (`acceptance_vs_paired`).
+
+    The number of drafter slots may differ (each run's own in-flight limit and slot count stay its own).
+    """
+
+    def geometry(setup: SimSetup | None) -> SimSetup | None:
+        return None if setup is None else replace(setup, drafter_slots=1)
+
+    for r in results:
+        if r.mode != "disaggregated":
+            continue
+        for a in results:
+            same_geometry = a.setup is None or r.setup is None or geometry(a.setup) == geometry(r.setup)
+            if a.mode == "aggregated" and a.sizing == r.sizing and a.prompt_tokens == r.prompt_tokens and same_geometry:
+                r.paired_run = a.name
+                if a.acceptance_length > 0 and r.finished:
+                    r.acceptance_vs_paired = round(r.acceptance_length / a.acceptance_length, 3)
+                break
 
 
 # -- reporting ------------------------------------------------------------------------------
 def format_table(results: list[RunResult]) -> str:
     head = (
         f"{'run':<12} {'sizing':<8} {'mode':<6} {'finished':>9} {'resize fail':>11} {'foreign':>8} "
-        f"{'peak/est pages':>15} {'warmup':>7} {'accept':>7} {'tok/s':>8} {'= target':>9}  events / first error"
+        f"{'peak/est pages':>15} {'warmup':>7} {'accept':>7} {'tok/s':>8} {'= target':>9} {'handoff':>8}  "
+        "events / first error"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -394,16 +455,49 @@ def format_table(results: list[RunResult]) -> str:
             f"{r.name:<12} {r.sizing:<8} {r.mode[:6]:<6} {f'{r.finished}/{total}':>9} {r.resize_failures:>11} "
             f"{r.foreign_page_accesses:>8} {f'{r.peak_draft_pages_per_request}/{r.estimated_draft_pages_per_request}':>15} "
             f"{('skipped' if r.skipped_warmups else 'ok'):>7} {r.acceptance_length:>7.3f} {r.tokens_per_s:>8.1f} "
-            f"{match:>9}  {err}"
+            f"{match:>9} {_handoff_cell(r):>8}  {err}"
         )
     return "\n".join(lines)
+
+
+def _handoff_cell(r: RunResult) -> str:
+    """`-` (aggregated), `none`, or the drafter bytes sent as a share of the whole prompts' drafter context."""
+    if r.drafter_handoff is None:
+        return "-"
+    if r.drafter_handoff == DrafterHandoff.NONE.value:
+        return "none"
+    if not r.full_drafter_bytes:
+        return "0"
+    return f"{100.0 * r.drafter_bytes_sent / r.full_drafter_bytes:.2f}%"
+
+
+def format_pairs(results: list[RunResult]) -> str:
+    """One line per disaggregated row with an aggregated twin: both acceptances and their ratio."""
+    lines = []
+    for r in results:
+        if r.paired_run is None or r.acceptance_vs_paired is None:
+            continue
+        twin = next(a for a in results if a.name == r.paired_run and a.sizing == r.sizing)
+        sent = ""
+        if r.drafter_handoff == DrafterHandoff.WINDOW.value:
+            sent = f", drafter context {r.drafter_bytes_sent:,} of {r.full_drafter_bytes:,} bytes"
+        # Each line starts with the numbers, never a run name: a table reader keyed on names skips it.
+        lines.append(
+            f"accept {r.acceptance_length:.3f} / {twin.acceptance_length:.3f} = {r.acceptance_vs_paired:.3f}: "
+            f"{r.name} vs {twin.name} ({r.sizing}, handoff {r.drafter_handoff}){sent}"
+        )
+    if not lines:
+        return ""
+    return "disaggregated vs aggregated over the same prompts:\n  " + "\n  ".join(lines)
 
 
 def _events(r: RunResult) -> str:
     """The counters that are not zero: reseeds and seed lag (exercised), then any violation."""
     named = (
         ("reseeds", r.slot_reseeds),
+        ("reseeds_without_handoff", r.reseeds_without_handoff),
         ("lag", r.max_seed_lag_tokens),
+        ("handoff_fallbacks", r.handoff_fallbacks),
         ("stale", r.stale_reads),
         ("unbacked", r.unbacked_accesses),
         ("accounting", r.accounting_errors),

@@ -18,6 +18,13 @@ class RunStats:
     accounting_errors: int = 0
     slot_reseeds: int = 0
     max_seed_lag_tokens: int = 0
+    handoff_seeds: int = 0  # generation slots seeded from a received drafter context
+    reseeds_without_handoff: int = 0  # reseeds after a slot loss of requests that had one: nothing to draw on
+    handoff_fallbacks: int = 0  # drafter contexts of another geometry dropped for the empty seed (fallback on)
+    drafter_bytes_sent: int = 0  # drafter-context bytes the generation worker received and wrote
+    full_drafter_bytes: int = 0  # what the drafter context of every whole prompt would have cost
+    #: per request: (prompt length, drafter-context bytes received, bytes of its whole prompt's drafter context)
+    drafter_bytes_by_request: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     peak_draft_pages_per_request: int = 0
     skipped_warmups: int = 0
     generation_steps: int = 0
@@ -46,4 +53,6 @@ SPECULATOR_COUNTERS = (
     "accounting_errors",
     "slot_reseeds",
     "max_seed_lag_tokens",
+    "handoff_seeds",
+    "reseeds_without_handoff",
 )

@@ -38,6 +38,7 @@ from ..request import LlmRequest, ScheduledRequests
 from . import addressing
 from . import slot_rules as rules
 from .addressing import ContextStorePlan, Row, required_extra_kv_tokens
+from .handoff import check_seed_range, mirror_backed_from
 from .slot_rules import Seeding, SlotStart, StartRules
 from .slot_table import NO_STORE_LIMIT, NoFreeSlotError, SlotPlan, SlotSnapshot, SlotTable
 
@@ -196,6 +197,33 @@ class DFlashSpecMetadata:
         self.slots.rollback(snap)
         self._prep = None
 
+    def seed_context(self, request_id: int, lo: int, end: int, draft_manager: Any = None) -> SlotStart:
+        """Seed the request's next fresh slot with a drafter context ``[lo, end)`` it received.
+
+        Absolute token positions: ``end`` is the prompt length ``m`` (the row's
+        position at its first generation step) and ``lo`` the first position
+        whose drafter K/V was written onto the request's draft mirror. The slot
+        then starts at ``L = end`` with base ``b = lo // P`` (pages) instead of
+        the empty seed; only the request's first slot takes it (a reseed after
+        eviction is empty, as always). Call after ``prepare_disagg_gen_init``
+        and the writes, before the request's first ``prepare``.
+
+        Raises ``ValueError`` naming the request and the numbers, and changes
+        nothing, when ``lo`` is below the first page the mirror backs in every
+        layer group or above ``end``, the mirror does not back up to ``end``,
+        the request already holds a slot, or there is no draft pool.
+        """
+        dm = draft_manager if draft_manager is not None else self.draft_manager
+        if dm is None:
+            raise ValueError(f"request {request_id}: seeding a received drafter context needs the draft manager")
+        if self.seeding is Seeding.SLOT_LOCAL:
+            raise ValueError(f"request {request_id}: slot-local seeding cannot place a context at absolute positions")
+        backed = mirror_backed_from(dm, request_id, end)
+        check_seed_range(request_id, lo, end, backed_from=backed, tokens_per_block=self.tokens_per_block)
+        start = self.slots.seed_context(request_id, lo, end)
+        self._prep = None
+        return start
+
     def check_pool(self, draft_manager: Any) -> None:
         """Refuse a pool this metadata cannot address safely (see :func:`.addressing.check_pool`)."""
         addressing.check_pool(
@@ -284,7 +312,10 @@ class DFlashSpecMetadata:
             else:
                 if fresh:
                     # The row's absolute position is its history: the first position the slot stores.
-                    seeds[rid] = start = starts.generation(max(req.max_beam_num_tokens - 1, 0))
+                    # A received drafter context (seed_context) seeds the slot instead of an empty one.
+                    position = max(req.max_beam_num_tokens - 1, 0)
+                    received = self.slots.take_context_seed(plan, rid, position) if kind == "generation" else None
+                    seeds[rid] = start = received or starts.generation(position)
                     plan.place(slot, start)
                 proposing = True
             rows.append(Row(req, slot, kind, proposing))

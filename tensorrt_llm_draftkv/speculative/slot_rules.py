@@ -149,6 +149,24 @@ def context_store_start(
     return SlotStart(s, _ceil_div(s, tokens_per_block), start - s)
 
 
+def context_seed(lo: int, end: int, *, tokens_per_block: int) -> SlotStart:
+    """The slot of a generation row whose drafter context ``[lo, end)`` was received (absolute tokens).
+
+    A disaggregated generation worker that got the drafter context of its
+    prompt (``end`` = the prompt length ``m``, ``lo`` = the first position
+    received) seeds the slot at the prompt end with the received positions as
+    its context: ``L = end`` and ``b = lo // P`` (the first received page), in
+    absolute positions (``offset = 0``). Compare :func:`generation_seed`, whose
+    context is empty. Positions of the first page below ``lo`` are never read:
+    the drafter reads at most its window below ``L``, which starts above ``lo``.
+    """
+    if tokens_per_block < 1:
+        raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+    if lo < 0 or lo > end:
+        raise ValueError(f"a seeded context [{lo}, {end}) must start at or after 0 and not above its end")
+    return SlotStart(end, lo // tokens_per_block, 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class StartRules:
     """The start rules above bound to one step's pool: ``generation(p)`` and ``context(start)``.

@@ -10,8 +10,10 @@ from host-known quantities: nothing here synchronises with the device.
 
 This module alone allocates slots (``max_batch_size`` regular ones, then the
 dummy slots for warmup dummies), snapshots and rolls back their state, evicts
-and frees them (telling every release listener), and clamps what a slot stores
-and reads against ``max_ctx_len``.
+and frees them (telling every release listener), clamps what a slot stores
+and reads against ``max_ctx_len``, and keeps a received drafter context
+(disaggregated handoff, absolute ``[lo, end)``) until the request's first slot
+is seeded from it.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .slot_rules import SlotStart
+from .slot_rules import SlotStart, context_seed
 
 #: Stores on a shared pool are never clamped (int32-safe stand-in for "no limit").
 NO_STORE_LIMIT = (1 << 31) - 1
@@ -62,6 +64,10 @@ class SlotPlan:
     next_dummy: int
     departed: list[int] = dataclasses.field(default_factory=list)
     restarted: list[int] = dataclasses.field(default_factory=list)
+    #: requests whose received context (``SlotTable.seed_context``) seeded their fresh slot in this plan
+    context_seeded: list[int] = dataclasses.field(default_factory=list)
+    #: pending context seeds dropped in this plan (their mirror is gone)
+    dropped_seeds: list[int] = dataclasses.field(default_factory=list)
 
     def take_dummy_slot(self) -> int:
         """The next dummy slot: every dummy row of a step gets one of its own."""
@@ -115,6 +121,10 @@ class SlotTable:
         self._free: list[int] = list(range(max_batch_size))
         self._slot_of: dict[int, int] = {}
         self._listeners: list[ReleaseListener] = []
+        # request id -> (lo, end): a received drafter context waiting for the request's first slot
+        self._context_seeds: dict[int, tuple[int, int]] = {}
+        #: requests the last applied plan seeded from a received context
+        self.last_context_seeded: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------ queries
     @property
@@ -185,6 +195,8 @@ class SlotTable:
             fn(request_id, reason)
 
     def _release(self, request_id: int, reason: str) -> None:
+        # A received context seeds only the request's first slot: after a loss it is gone.
+        self._context_seeds.pop(request_id, None)
         slot = self._slot_of.pop(request_id)
         self._ctx_host[slot] = self._base_host[slot] = self._offset_host[slot] = 0
         self.ctx_len[slot] = 0
@@ -202,10 +214,63 @@ class SlotTable:
         """Release the slot of a finished request; False if it held none (and ``missing_ok``)."""
         if request_id not in self._slot_of:
             if missing_ok:
+                self._context_seeds.pop(request_id, None)  # finished before its seeded slot was made
                 return False
             self.slot_of(request_id)
         self._release(request_id, "free")
         return True
+
+    # ------------------------------------------------------------------ received contexts
+    def seed_context(self, request_id: int, lo: int, end: int) -> SlotStart:
+        """Seed the request's next fresh slot with a received context ``[lo, end)`` (absolute tokens).
+
+        The slot the request gets at its next generation row starts at
+        :func:`.slot_rules.context_seed`: ``L = end``, ``b = lo // P`` (raised by
+        :meth:`clamped_base` if the context is longer than ``max_ctx_len``).
+        Only that first slot: a later loss (evict) reseeds an empty slot as
+        usual. The caller checks the mirror backs ``[lo, end)`` (see
+        ``DFlashSpecMetadata.seed_context``). Raises ``ValueError`` naming the
+        request and the numbers, changing nothing, when ``lo`` is not in
+        ``[0, end]``, the request already holds a slot, or this is a private arena.
+        Returns the start the slot will get.
+        """
+        if self.private_arena:
+            raise ValueError(f"request {request_id}: a private per-slot arena cannot take a received context")
+        if request_id in self._slot_of:
+            raise ValueError(
+                f"request {request_id}: cannot seed a received context [{lo}, {end}): it already holds slot "
+                f"{self._slot_of[request_id]} (L={self._ctx_host[self._slot_of[request_id]]}); a received context "
+                "seeds only a fresh slot"
+            )
+        try:
+            start = context_seed(lo, end, tokens_per_block=self.tokens_per_block)
+        except ValueError as err:
+            raise ValueError(f"request {request_id}: {err}") from None
+        self._context_seeds[request_id] = (lo, end)
+        return start._replace(base_pages=self.clamped_base(start.ctx_len, start.base_pages))
+
+    def pending_context_seed(self, request_id: int) -> tuple[int, int] | None:
+        """The received context ``(lo, end)`` waiting for the request's first slot, or None."""
+        return self._context_seeds.get(request_id)
+
+    def take_context_seed(self, plan: SlotPlan, request_id: int, position: int) -> SlotStart | None:
+        """The start of a fresh generation slot from the request's received context, or None.
+
+        ``position``: the row's absolute position (its history); it must be the
+        context's end, else ``ValueError`` (nothing changes: the plan is dropped).
+        """
+        pending = self._context_seeds.get(request_id)
+        if pending is None:
+            return None
+        lo, end = pending
+        if position != end:
+            raise ValueError(
+                f"request {request_id}: its received drafter context ends at {end}, but its first generation row "
+                f"sits at position {position}"
+            )
+        plan.context_seeded.append(request_id)
+        start = context_seed(lo, end, tokens_per_block=self.tokens_per_block)
+        return start._replace(base_pages=self.clamped_base(start.ctx_len, start.base_pages))
 
     # ------------------------------------------------------------------ snapshot / rollback
     def snapshot(self) -> SlotSnapshot:
@@ -241,6 +306,7 @@ class SlotTable:
             list(self._offset_host), self.dummy_slot,
         )
         plan.departed = [rid for rid in plan.slot_of if has_mirror is not None and not has_mirror(rid)]
+        plan.dropped_seeds = [rid for rid in self._context_seeds if has_mirror is not None and not has_mirror(rid)]
         for rid in plan.departed:
             plan.free.append(plan.slot_of.pop(rid))
         plan.free.sort()
@@ -275,6 +341,9 @@ class SlotTable:
             self._notify(rid, "departed")
         for rid in plan.restarted:
             self._notify(rid, "restart")
+        for rid in plan.context_seeded + plan.departed + plan.dropped_seeds:
+            self._context_seeds.pop(rid, None)
+        self.last_context_seeded = tuple(plan.context_seeded)
         self._slot_of = plan.slot_of
         self._free = plan.free
         self._ctx_host, self._base_host, self._offset_host = plan.ctx, plan.base, plan.off

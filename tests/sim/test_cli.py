@@ -61,13 +61,16 @@ def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def table_rows(out: str) -> dict[tuple[str, str], list[str]]:
-    """(run, sizing) -> the row's cells: run sizing mode finished resize foreign peak/est warmup accept tok/s match [error...]."""
+    """(run, sizing) -> the row's cells: run sizing mode finished resize foreign peak/est warmup accept tok/s match
+    handoff [error...]."""
     lines = out.splitlines()
     head = next(i for i, line in enumerate(lines) if line.split()[:3] == ["run", "sizing", "mode"])
     rows = {}
     for line in lines[head + 2 :]:
+        if not line.strip():  # the table ends at the blank line before the acceptance pairs
+            break
         cells = line.split()
-        if len(cells) >= 11:
+        if len(cells) >= 12:
             rows[cells[0], cells[1]] = cells
     return rows
 
@@ -131,6 +134,12 @@ def test_the_table_shows_what_the_json_says(disagg_16k):
         assert cells[6] == f"{r['peak_draft_pages_per_request']}/{r['estimated_draft_pages_per_request']}"
         assert float(cells[8]) == pytest.approx(r["acceptance_length"], abs=1e-3)
         assert cells[10] == "yes"
+        sent, full = r["drafter_bytes_sent"], r["full_drafter_bytes"]
+        if r["sizing"] == "history":
+            assert r["drafter_handoff"] == "window" and 0 < sent < full
+            assert cells[11] == f"{100 * sent / full:.2f}%"
+        else:  # legacy sizing sends no drafter context
+            assert r["drafter_handoff"] == "none" and sent == 0 and cells[11] == "none"
     assert set(rows) == {("disagg-16k", "history"), ("disagg-16k", "legacy")}
 
 
@@ -142,29 +151,48 @@ def test_the_default_command_runs_the_whole_scenario_in_under_two_minutes():
     elapsed = time.monotonic() - started
     assert proc.returncode == 0, proc.stderr
     rows = table_rows(proc.stdout)
-    totals = {"disagg-16k": 2, "agg-long": 5, "disagg-long": 4, "disagg-evict": 5, "disagg-window": 3}
-    assert list(rows) == [(name, sizing) for name in totals for sizing in ("history", "legacy")]
+    totals = {
+        "agg-16k": 2, "disagg-16k": 2, "agg-long": 4, "disagg-long": 4, "agg-evict": 5, "disagg-evict": 5,
+        "agg-window": 3, "disagg-window": 3,
+    }
+    twins = {"agg-16k", "agg-evict", "agg-window"}  # aggregated twins run under history only
+    assert list(rows) == [
+        (name, sizing) for name in totals for sizing in ("history", "legacy") if sizing == "history" or name not in twins
+    ]
     for (name, sizing), cells in rows.items():
         finished, total = map(int, cells[3].split("/"))
         assert total == totals[name]
         if sizing == "history":
             assert finished == total and cells[4] == "0" and cells[5] == "0"
             peak, est = map(int, cells[6].split("/"))
-            assert peak <= est and (peak == est) == (name == "agg-long")
+            # only an aggregated prefill of a prompt past the window fills the whole charge
+            assert peak <= est and (peak == est) == (name in ("agg-long", "agg-16k"))
             assert cells[7] == "ok"  # the warmup ran
             assert cells[10] == "yes", f"{name}: speculative output equals target-only output"
-            events = " ".join(cells[11:])
+            events = " ".join(cells[12:])
             for bad in ("stale=", "unbacked=", "accounting=", "refused="):
                 assert bad not in events, f"{name}: {events}"
     for name in ("agg-long", "disagg-long"):
         cells = rows[name, "legacy"]
         assert cells[3] == f"0/{totals[name]}" and cells[4] == "1"
-        m = RESIZE_ERROR.search(" ".join(cells[11:]))
+        m = RESIZE_ERROR.search(" ".join(cells[12:]))
         assert m and int(m.group(1)) == 1 and int(m.group(2)) >= 131071
         assert cells[10] == "-"
     assert int(rows["disagg-16k", "legacy"][5]) > 0
-    assert "reseeds=" in " ".join(rows["disagg-evict", "history"][11:])  # slots evicted and reseeded
-    assert "lag=31" in " ".join(rows["disagg-long", "history"][11:])  # a seed one token short of a page
+    assert "reseeds=" in " ".join(rows["disagg-evict", "history"][12:])  # slots evicted and reseeded
+    # the reseeds after a slot loss had no received context to draw on, and say so
+    assert "reseeds_without_handoff=" in " ".join(rows["disagg-evict", "history"][12:])
+    # with the handoff every first seed sits at the prompt end; no seed lags its request
+    assert "lag=" not in " ".join(rows["disagg-long", "history"][12:])
+    for name in totals:
+        if name.startswith("disagg-"):  # the generation worker's acceptance against its aggregated twin
+            disagg = float(rows[name, "history"][8])
+            agg = float(rows[name.replace("disagg-", "agg-"), "history"][8])
+            assert disagg >= 0.97 * agg, f"{name}: {disagg} against {agg}"
+            assert rows[name, "history"][11].endswith("%") and rows[name, "legacy"][11] == "none"
+        else:
+            assert rows[name, "history"][11] == "-"
+    assert "disaggregated vs aggregated over the same prompts:" in proc.stdout
     assert rows["disagg-16k", "legacy"][10] == "yes"
     assert elapsed < 120, f"the default command took {elapsed:.0f} s"
 

@@ -199,20 +199,29 @@ def test_contradicting_target_windows_are_refused(capsys):
 def test_the_default_scenario_is_the_shipped_config_and_unchanged():
     shipped = json.loads((REPO / "tensorrt_llm_draftkv" / "sim" / "default_scenario.json").read_text())
     assert shipped == DEFAULT_SCENARIO.to_dict()
-    # The scenario as it was written in Python before it became a file (notes aside).
+    # The scenario written out in Python (notes aside): every disaggregated run follows its aggregated
+    # twin over exactly the same prompts (agg-long takes disagg-long's), the twins under history only.
+    twin = {"sizings": ("history",)}
     before = Scenario(
         SimSetup(),
         (
+            RunSpec("agg-16k", "aggregated", (1000, 16385), 2, **twin),
             RunSpec("disagg-16k", "disaggregated", (1000, 16385), 2),
-            RunSpec("agg-long", "aggregated", (32768, 131071, 131072, 262145, 524287), 3, drafter_slots=2),
+            RunSpec("agg-long", "aggregated", (32768, 131071, 262145, 524287), 3, drafter_slots=2),
             RunSpec("disagg-long", "disaggregated", (32768, 131071, 262145, 524287), 2),
+            RunSpec(
+                "agg-evict", "aggregated", (1023, 2049, 3001, 4095, 5119), 4, drafter_slots=2, max_new_tokens=48,
+                reserve_context_row=True, **twin,
+            ),
             RunSpec(
                 "disagg-evict", "disaggregated", (1023, 2049, 3001, 4095, 5119), 4, drafter_slots=2, max_new_tokens=48
             ),
+            RunSpec("agg-window", "aggregated", (1023, 4095, 8191), 3, draft_window=256, max_new_tokens=384, **twin),
             RunSpec("disagg-window", "disaggregated", (1023, 4095, 8191), 3, draft_window=256, max_new_tokens=384),
         ),
     )
     assert replace(DEFAULT_SCENARIO, runs=tuple(replace(r, note="") for r in DEFAULT_SCENARIO.runs)) == before
+    assert DEFAULT_SCENARIO.setup.drafter_handoff.value == "window" and DEFAULT_SCENARIO.setup.handoff_form.value == "kv"
 
 
 def test_config_round_trip(capsys, tmp_path):
@@ -241,7 +250,8 @@ def test_flags_override_the_config_file_and_the_runs_own_values(capsys, tmp_path
     # Without --prompts and without runs in the file: the default runs, --mode keeping those of one mode.
     path.write_text(json.dumps({"chunk": 4096}))
     config = printed_config(capsys, "--config", str(path), "--mode", "aggregated", "--drafter-slots", "3")
-    assert [r["name"] for r in config["runs"]] == ["agg-long"] and "drafter_slots" not in config["runs"][0]
+    assert [r["name"] for r in config["runs"]] == ["agg-16k", "agg-long", "agg-evict", "agg-window"]
+    assert all("drafter_slots" not in r for r in config["runs"])
     assert config["chunk"] == 4096 and config["drafter_slots"] == 3
 
 

@@ -31,6 +31,7 @@ from tensorrt_llm_draftkv.sim.simulate import build_executor, run_one, target_on
 from tensorrt_llm_draftkv.manager.rules import MirrorSizing
 from tensorrt_llm_draftkv.request import ContextView
 from tensorrt_llm_draftkv.runtime import BAD_PAGE_INDEX
+from tensorrt_llm_draftkv.speculative.handoff import DrafterHandoff
 from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
 
 from support import SMALL, truth
@@ -108,8 +109,11 @@ def test_two_process_run_survives_prompts_one_short_of_a_window_boundary():
 @pytest.mark.parametrize("trail_page", [True, False])
 def test_the_trail_page_is_what_keeps_a_seeded_window_on_its_own_pages(trail_page):
     """A seed 31 tokens past its page and a generation longer than the draft window:
-    with the trail page every read is owned; without it (same seed) the far edge is not."""
-    setup = replace(SMALL, trail_page=trail_page, draft_window=64, max_new_tokens=120)
+    with the trail page every read is owned; without it (same seed) the far edge is not. The empty seed
+    is what is tested: no drafter context is handed over (a handed-over context seeds at the prompt end)."""
+    setup = replace(
+        SMALL, trail_page=trail_page, draft_window=64, max_new_tokens=120, drafter_handoff=DrafterHandoff.NONE
+    )
     spec = RunSpec("seeded-window", "disaggregated", (16 * 40 - 1,), 1)
     stats, _ = run_one(setup, spec, MirrorSizing.HISTORY)
     assert stats.finished == 1 and stats.max_seed_lag_tokens == 15

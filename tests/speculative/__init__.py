@@ -1,0 +1,1 @@
+"""Test package: its modules are imported as `speculative.<name>`, so a basename may repeat in another folder (test_handoff.py)."""
