@@ -6,7 +6,9 @@ the read gather. It takes the inputs of
 :func:`tensorrt_llm_draftkv.kernels.prepare_paged_latent` (unrebased tables,
 per-slot ``L`` in tokens and base in pages, accepted counts per row) and gives
 results identical to ``prepare_paged_latent_reference``; ``benchmarks/kernels.py``
-times the fused kernel against it.
+times the fused kernel against it. ``eager_step_from_offsets`` adds the eager
+decode of the exported block offsets in front: the whole eager step the
+one-pass form replaces.
 """
 from __future__ import annotations
 
@@ -129,4 +131,59 @@ def _eager_stores(
     store_offsets = offsets.masked_fill(~valid, BAD_PAGE).to(torch.int32)
     return store_pages, store_offsets
 
-__all__ = ["eager_prepare_paged_latent"]
+
+def eager_decode_block_offsets(
+    block_offsets: torch.Tensor, pool_idx: int, num_seqs: int, divisor: int, backend: str = "cpp"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Upstream-style eager decode of one pool's exported offsets: ``(tables, extents)``.
+
+    Tables are int32 ``[num_seqs, M]`` pages (-1 unbacked); extents int64
+    ``[num_seqs]`` (``M`` for every row with the ``"cpp"`` export, else
+    ``1 + last backed ordinal``). Same results as
+    ``decode_draft_block_table_reference``; written as separate small ops.
+    """
+    k = block_offsets[pool_idx, :num_seqs, 0]
+    k = k.long()
+    M = k.shape[1]
+    backed = k >= 0
+    pages = torch.div(k, divisor, rounding_mode="floor")
+    tables = torch.where(backed, pages, torch.full_like(pages, BAD_PAGE)).to(torch.int32)
+    if backend == "cpp":
+        extents = torch.full((num_seqs,), M, dtype=torch.int64, device=k.device)
+    elif M == 0:
+        extents = torch.zeros((num_seqs,), dtype=torch.int64, device=k.device)
+    else:
+        ordinals = torch.arange(1, M + 1, device=k.device).unsqueeze(0).expand(num_seqs, M)
+        extents = torch.where(backed, ordinals, torch.zeros_like(ordinals)).max(dim=1).values
+    return tables, extents
+
+
+def eager_step_from_offsets(
+    block_offsets: torch.Tensor,
+    pool_idx: int,
+    divisor: int,
+    backend: str,
+    slot_ids: torch.Tensor,
+    slot_ctx_len: torch.Tensor,
+    slot_base_pages: torch.Tensor,
+    num_new: torch.Tensor,
+    *,
+    block_size: int,
+    tokens_per_block: int,
+    max_ctx: int,
+    max_new: int,
+) -> PagedLatentPrep:
+    """The whole upstream-style eager step from exported offsets: eager decode, then eager preparation.
+
+    Same results as ``prepare_paged_latent_one_pass_reference`` (extents included).
+    """
+    tables, extents = eager_decode_block_offsets(block_offsets, pool_idx, slot_ids.shape[0], divisor, backend)
+    res = eager_prepare_paged_latent(
+        tables, extents, slot_ids, slot_ctx_len, slot_base_pages, num_new,
+        block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new,
+    )
+    res.extents = extents
+    return res
+
+
+__all__ = ["eager_decode_block_offsets", "eager_prepare_paged_latent", "eager_step_from_offsets"]

@@ -1,26 +1,41 @@
-"""Benchmark of the fused DFlash generation-step preparation (and the block-table decode).
+"""Benchmark of a DFlash generation step's preparation: one-pass, two-step, eager, and a same-bytes copy.
 
-Run as ``python -m benchmarks.kernels`` or ``python benchmarks/kernels.py``.
+Run as ``python -m benchmarks.kernels`` or ``python benchmarks/kernels.py``
+(``--quick`` for a short run, ``--json FILE`` to keep the results).
 
-On CUDA, per (B, M):
-  * ``fused``: ``prepare_paged_latent`` (one Triton launch, preallocated ``out``),
-    median of ``triton.testing.do_bench`` (L2 flushed before every call);
-  * ``graph``: the same call captured in a CUDA graph, replayed;
-  * ``eager``: ``eager_prepare_paged_latent`` (``benchmarks/eager_baseline.py``, the
-    upstream-style multi-op path with its host round trip), same timer;
-  * bytes the step must move (rows' in-extent entries read, full read table
-    written, per-row scalars, query positions and store targets), achieved
-    GB/s, and a device-to-device copy moving the same number of bytes (half read,
-    half written) timed in the same run, GB/s and the fused kernel's % of it;
-  * kernel launches per call, counted with torch.profiler (CUDA activity).
-A second table times ``decode_draft_block_table`` (Triton) against its torch
-reference.
+Step measured, per (B, M), P = 32 tokens per block, block_size 8, max_new 8,
+exported offsets of 2 pools (pool 1 read, K/V divisor 2, ``"python"`` export:
+-1 at unbacked ordinals), rows backed over ``[lo, extent)`` with the extent in
+``[M/2, M]`` and a window released below ``lo``; slot bases in the released part:
 
-On CPU (no CUDA, or ``--device cpu``) there is no Triton kernel to time (the
-interpreter is a test tool, not a fast path): the ``fused`` column is then the
-plain-torch reference ``prepare_paged_latent_reference`` against the eager
-baseline, both timed with ``time.perf_counter`` (median); the table says so.
-``--quick`` shrinks the grid and the repetitions for a CPU smoke run.
+* ``one-pass``: ``prepare_paged_latent(None, None, ..., block_offsets=...)``:
+  decode, extents, rebase and preparation in ONE launch (fast launch);
+* ``two-step``: ``decode_draft_block_table`` then ``prepare_paged_latent`` from
+  its tables (two launches);
+* ``eager``: ``eager_step_from_offsets`` (``benchmarks/eager_baseline.py``): the
+  upstream-style eager decode and preparation, many small ops and one ``.item()``
+  host sync. It cannot be captured in a CUDA graph (the sync), so it has no
+  graph column; ``eager/one-pass (graph)`` compares it, called directly, with the
+  one-pass step replayed;
+* ``copy``: a device-to-device ``copy_`` moving the step's bytes (half read, half
+  written): the K entries a row needs read (from its shift to the end of the
+  row), the whole read table written, plus per-row scalars, query positions and
+  store targets.
+
+CUDA timings: ``triton.testing.do_bench`` medians, L2 flushed before each call.
+``direct`` is one Python call per measurement (host cost partly hidden behind
+the flush); ``graph`` the same call captured once in a CUDA graph (side-stream
+warmup first) and replayed. ``host µs``: wall clock per call of back-to-back
+calls with no sync (fast and normal launch for the one-pass form). A sweep of
+BLOCK x num_warps for the one-pass kernel under graph replay, and the kernel
+launches per call (torch.profiler), follow. Every timed path is first checked
+against the torch reference.
+
+On CPU (no CUDA, or ``--device cpu``) nothing runs on a GPU: the one-pass and
+two-step forms run in Triton's interpreter when ``TRITON_INTERPRET=1`` and as
+the torch reference otherwise (the table says which), timed with
+``time.perf_counter`` (median); graph columns are n/a. It is a smoke run, not a
+measurement.
 """
 from __future__ import annotations
 
@@ -31,58 +46,123 @@ import os
 import statistics
 import sys
 import time
+from typing import Any, Callable, Optional
 
 if __package__ in (None, ""):  # `python benchmarks/kernels.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.eager_baseline import eager_prepare_paged_latent  # noqa: E402
+from benchmarks.eager_baseline import eager_step_from_offsets  # noqa: E402
 from tensorrt_llm_draftkv import kernels as K  # noqa: E402
 
 BATCHES = (1, 8, 64, 256, 1024)
 MAX_BLOCKS = (128, 2048, 16384)
+QUICK_BATCHES, QUICK_MAX_BLOCKS = (1, 64, 256), (128, 2048)
+CPU_BATCHES, CPU_MAX_BLOCKS = (1, 8), (16, 128)
 P = 32  # tokens per block
 BLOCK_SIZE = 8  # bonus token + 7 mask tokens
 MAX_NEW = 8
+NUM_POOLS, POOL, DIVISOR, BACKEND = 2, 1, 2, "python"
+SWEEP_SIZES = ((8, 16384), (256, 2048), (1024, 16384))
+SWEEP_CONFIGS = ((None, None), (1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16))
+SWEEP_CONFIGS_QUICK = ((None, None), (2048, 4), (4096, 8))
+
+Step = tuple[torch.Tensor, tuple[torch.Tensor, ...], dict[str, int]]
 
 
-def make_inputs(B: int, M: int, device, seed: int = 0):
-    """Rows backed over [lo, extent) with extent in [M/2, M]; slot bases below the extent."""
+def make_step(B: int, M: int, device: Any, seed: int = 0) -> Step:
+    """Exported offsets ``[2, B, 2, M]`` and slot state of one step (see the module docstring)."""
     gen = torch.Generator().manual_seed(seed * 7919 + B * 31 + M)
-    tables = torch.randint(0, 2**30, (B, M), generator=gen, dtype=torch.int32)
-    extents = torch.randint(max(1, M // 2), M + 1, (B,), generator=gen)
+    pages = torch.randint(0, 2**29, (NUM_POOLS, B, M), generator=gen)
+    extent = torch.randint(max(1, M // 2), M + 1, (NUM_POOLS, B), generator=gen)
+    lo = (torch.rand(NUM_POOLS, B, generator=gen) * extent.float() / 4).long()  # released below lo
+    cols = torch.arange(M)
+    backed = (cols >= lo[..., None]) & (cols < extent[..., None])
+    off = torch.empty((NUM_POOLS, B, 2, M), dtype=torch.int32)
+    off[:, :, 0] = torch.where(backed, pages * DIVISOR, -1).to(torch.int32)
+    off[:, :, 1] = torch.where(backed, pages * DIVISOR + 1, -1).to(torch.int32)
     S = max(1, B)
     slot_ids = torch.randperm(B, generator=gen) % S
-    base_row = (torch.rand(B, generator=gen) * extents.float() / 4).long()  # pages below the window
     base = torch.zeros(S, dtype=torch.int64)
-    base[slot_ids] = base_row
-    cols = torch.arange(M)
-    tables[(cols[None] >= extents[:, None]) | (cols[None] < base_row[:, None])] = -1
+    base[slot_ids] = lo[POOL]  # the slot's base covers the released pages
     ctx = torch.zeros(S, dtype=torch.int64)
-    ctx[slot_ids] = extents * P - torch.randint(P, 2 * P, (B,), generator=gen)
+    ctx[slot_ids] = extent[POOL] * P - torch.randint(P, 2 * P, (B,), generator=gen)
     ctx = torch.maximum(ctx, base * P)
     num_new = torch.randint(0, MAX_NEW + 1, (B,), generator=gen)
     kw = dict(block_size=BLOCK_SIZE, tokens_per_block=P, max_ctx=M * P, max_new=MAX_NEW)
-    inputs = tuple(t.to(device) for t in (tables, extents, slot_ids, ctx, base, num_new))
-    return inputs, kw
+    vectors = tuple(t.to(device) for t in (slot_ids, ctx, base, num_new))
+    return off.to(device), vectors, kw
 
 
-def step_bytes(inputs, kw) -> int:
-    """Bytes the preparation must move at least (global memory, read + written)."""
-    tables, extents, slot_ids, ctx, base, num_new = inputs
-    B, M = tables.shape
-    ext = extents.clamp(0, M)
-    shift = torch.minimum(base[slot_ids], ext)
-    read_entries = int((ext - shift).sum()) * tables.element_size()
-    stored = int(num_new.clamp(max=kw["max_new"]).sum()) * tables.element_size()  # store-target gathers
-    scalars_in = B * (extents.element_size() + slot_ids.element_size() + num_new.element_size())
-    scalars_in += B * (ctx.element_size() + base.element_size())
-    writes = B * M * 4 + B * 3 * 8 + B * kw["block_size"] * 8 + 2 * B * kw["max_new"] * 4
-    return read_entries + stored + scalars_in + writes
+def step_bytes(step: Step) -> int:
+    """Bytes one step has to move at least (global memory, read + written)."""
+    off, vectors, kw = step
+    slot_ids, ctx, base, num_new = vectors
+    B, M = slot_ids.shape[0], off.shape[3]
+    shift = base[slot_ids].clamp(0, M)
+    reads = int((M - shift).sum()) * off.element_size()  # a row's entries from its shift on
+    reads += int(num_new.clamp(max=kw["max_new"]).sum()) * off.element_size()  # store-target gathers
+    reads += B * (slot_ids.element_size() + num_new.element_size() + ctx.element_size() + base.element_size())
+    writes = B * M * 4 + B * 4 * 8 + B * kw["block_size"] * 8 + 2 * B * kw["max_new"] * 4
+    return reads + writes
 
 
-def _median_wall(fn, reps: int, warmup: int = 2) -> float:
+# --------------------------------------------------------------------------- the paths timed
+
+
+class Paths:
+    """The timed calls of one (B, M) step, each writing into preallocated outputs."""
+
+    def __init__(self, step: Step, impl: Optional[str] = None):
+        self.off, self.vectors, self.kw = step
+        B, M = self.vectors[0].shape[0], self.off.shape[3]
+        dev = self.off.device
+        self.impl = impl
+        self.out = K.PagedLatentPrep.empty(B, M, BLOCK_SIZE, MAX_NEW, device=dev, with_extents=True)
+        self.two = K.PagedLatentPrep.empty(B, M, BLOCK_SIZE, MAX_NEW, device=dev)
+        self.bt = K.BlockTables(
+            torch.empty((B, M), dtype=torch.int32, device=dev), torch.empty((B,), dtype=torch.int64, device=dev)
+        )
+
+    def one_pass(self, fast_launch: bool = True, **tune: Any) -> K.PagedLatentPrep:
+        return K.prepare_paged_latent(
+            None, None, *self.vectors, **self.kw, block_offsets=self.off, pool_idx=POOL, divisor=DIVISOR,
+            backend=BACKEND, out=self.out, impl=self.impl, fast_launch=fast_launch, **tune,
+        )
+
+    def one_pass_normal(self) -> K.PagedLatentPrep:
+        return self.one_pass(fast_launch=False)
+
+    def two_step(self) -> K.PagedLatentPrep:
+        B = self.vectors[0].shape[0]
+        K.decode_draft_block_table(self.off, POOL, B, DIVISOR, BACKEND, out=self.bt, impl=self.impl)
+        return K.prepare_paged_latent(self.bt.tables, self.bt.extents, *self.vectors, **self.kw, out=self.two,
+                                      impl=self.impl)
+
+    def eager(self) -> K.PagedLatentPrep:
+        return eager_step_from_offsets(self.off, POOL, DIVISOR, BACKEND, *self.vectors, **self.kw)
+
+    def check(self) -> None:
+        """Every timed path gives the reference's results (a wrong kernel is not timed)."""
+        want = K.prepare_paged_latent_one_pass_reference(self.off, POOL, DIVISOR, BACKEND, *self.vectors, **self.kw)
+        for name, fn in (("one-pass", self.one_pass), ("one-pass normal", self.one_pass_normal),
+                         ("two-step", self.two_step), ("eager", self.eager)):
+            for t in (*self.out.tensors().values(), *self.two.tensors().values(), *self.bt):
+                t.fill_(-7)  # poison: each path must write every element itself
+            got = fn()
+            for field, t in want.tensors().items():
+                g = getattr(got, field)
+                if g is None and field == "extents":
+                    g = self.bt.extents
+                assert torch.equal(g, t), (name, field)
+
+
+# --------------------------------------------------------------------------- timers
+
+
+def _median_wall(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
+    """Median wall-clock milliseconds of ``fn`` (CPU)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -90,117 +170,27 @@ def _median_wall(fn, reps: int, warmup: int = 2) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3  # ms
+    return statistics.median(times) * 1e3
 
 
-def _count_cuda_kernels(fn) -> tuple:
-    try:
-        return _count_cuda_kernels_unchecked(fn)
-    except Exception as exc:  # profiler/CUPTI unavailable: report, don't fail the run
-        return -1, -1, [f"profiler failed: {exc!r}"]
-
-
-def _count_cuda_kernels_unchecked(fn) -> tuple:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
+def capture(fn: Callable[[], Any]) -> "torch.cuda.CUDAGraph":
+    """``fn`` warmed up on a side stream (compiles, binds the fast launch), then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels = [n for n in names if not n.lower().startswith(("memcpy", "memset"))]
-    return len(kernels), len(names) - len(kernels), names
-
-
-def bench_cuda(batches, max_blocks, with_decode=True, sweep=True):
-    import triton.testing as tt
-
-    dev = torch.device("cuda")
-    bench = lambda fn: tt.do_bench(fn, return_mode="median")  # noqa: E731
-    rows, decode_rows, sweep_rows = [], [], []
-    launches = host = None
-    for M in max_blocks:
-        for B in batches:
-            inputs, kw = make_inputs(B, M, dev)
-            out = K.PagedLatentPrep.empty(B, M, kw["block_size"], kw["max_new"], device=dev)
-            fused = lambda: K.prepare_paged_latent(*inputs, **kw, out=out)  # noqa: E731
-            eager = lambda: eager_prepare_paged_latent(*inputs, **kw)  # noqa: E731
-            fused()
-            torch.cuda.synchronize()
-            ref = K.prepare_paged_latent_reference(*inputs, **kw)
-            for name, t in ref.tensors().items():  # sanity: the timed kernel is right
-                assert torch.equal(getattr(out, name), t), (B, M, name)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fused()
-            t_fused = bench(fused)
-            t_graph = bench(g.replay)
-            t_eager = bench(eager)
-            nbytes = step_bytes(inputs, kw)
-            half = max(1, nbytes // 2)
-            src = torch.empty(half, dtype=torch.uint8, device=dev)
-            dst = torch.empty_like(src)
-            t_copy = bench(lambda: dst.copy_(src))
-            if launches is None or (B, M) == (256, 2048):
-                n_f, n_f_copies, _ = _count_cuda_kernels(fused)
-                n_e, n_e_copies, _ = _count_cuda_kernels(eager)
-                launches = dict(B=B, M=M, fused=n_f, fused_copies=n_f_copies, eager=n_e, eager_copies=n_e_copies)
-            if (B, M) == (1, 128):
-                host = dict(
-                    B=B, M=M, fused_us=host_overhead_us(fused), graph_replay_us=host_overhead_us(g.replay),
-                    eager_us=host_overhead_us(eager, calls=50),
-                )
-            gbs = nbytes / (t_fused * 1e-3) / 1e9
-            copy_gbs = 2 * half / (t_copy * 1e-3) / 1e9
-            rows.append(
-                dict(
-                    B=B, M=M, fused_us=t_fused * 1e3, graph_us=t_graph * 1e3, eager_us=t_eager * 1e3,
-                    speedup=t_eager / t_fused, bytes=nbytes, gbs=gbs, copy_gbs=copy_gbs, pct_copy=100 * gbs / copy_gbs,
-                )
-            )
-            del g, src, dst
-            if with_decode:
-                decode_rows.append(bench_decode_cuda(B, M, bench))
-            if sweep and (B, M) in ((1024, 16384), (256, 16384), (1024, 2048)):
-                for blk in (512, 1024, 2048, 4096):
-                    t = bench(lambda: K.prepare_paged_latent(*inputs, **kw, out=out, block=blk))
-                    sweep_rows.append(dict(B=B, M=M, block=blk, us=t * 1e3, gbs=nbytes / (t * 1e-3) / 1e9))
-            print_row(rows[-1], file=sys.stderr)
-    return rows, decode_rows, sweep_rows, launches, host
-
-
-def bench_decode_cuda(B, M, bench):
-    gen = torch.Generator().manual_seed(B * 131 + M)
-    offs = torch.full((2, B, 2, M), -1, dtype=torch.int32)
-    pages = torch.randint(0, 2**29, (2, B, M), generator=gen, dtype=torch.int32)
-    hi = torch.randint(max(1, M // 2), M + 1, (2, B), generator=gen)
-    backed = torch.arange(M)[None, None] < hi[..., None]
-    offs[:, :, 0] = torch.where(backed, pages * 2, -1)
-    offs[:, :, 1] = torch.where(backed, pages * 2 + 1, -1)
-    offs = offs.cuda()
-    out = K.BlockTables(
-        torch.empty((B, M), dtype=torch.int32, device="cuda"), torch.empty((B,), dtype=torch.int64, device="cuda")
-    )
-    fused = lambda: K.decode_draft_block_table(offs, 1, B, 2, "python", out=out)  # noqa: E731
-    ref = lambda: K.decode_draft_block_table_reference(offs, 1, B, 2, "python")  # noqa: E731
-    fused()
-    want = ref()
-    assert torch.equal(out.tables, want.tables) and torch.equal(out.extents, want.extents)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fused()
-    t_f, t_g, t_r = bench(fused), bench(g.replay), bench(ref)
-    nbytes = B * M * 4 * 2 + B * 8  # K half read + table written (+ extents); the scan re-reads are extra
-    return dict(
-        B=B, M=M, triton_us=t_f * 1e3, graph_us=t_g * 1e3, torch_us=t_r * 1e3, speedup=t_r / t_f,
-        gbs=nbytes / (t_f * 1e-3) / 1e9, graph_gbs=nbytes / (t_g * 1e-3) / 1e9,
-    )
+        fn()
+    torch.cuda.synchronize()
+    return g
 
 
-def host_overhead_us(fn, calls: int = 300) -> float:
-    """Wall-clock µs per call of back-to-back calls (no sync inside): the host-side cost
-    when the GPU work per call is shorter than it."""
+def host_us(fn: Callable[[], Any], calls: int = 300) -> float:
+    """Wall-clock µs per call of back-to-back calls (no sync inside)."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
@@ -211,77 +201,173 @@ def host_overhead_us(fn, calls: int = 300) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def bench_cpu(batches, max_blocks, reps):
+def count_launches(fn: Callable[[], Any]) -> tuple[int, int]:
+    """``(kernels, memcpy/memset)`` of one call, from torch.profiler; ``(-1, -1)`` if unavailable."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    except Exception:  # profiler/CUPTI unavailable: report, don't fail the run
+        return -1, -1
+    kernels = [n for n in names if not n.lower().startswith(("memcpy", "memset"))]
+    return len(kernels), len(names) - len(kernels)
+
+
+# --------------------------------------------------------------------------- CUDA run
+
+
+def bench_cuda(batches, max_blocks, sweep_configs, with_launches: bool = True) -> dict:
+    import triton.testing as tt
+
+    dev = torch.device("cuda")
+    bench = lambda fn: tt.do_bench(fn, return_mode="median") * 1e3  # noqa: E731  µs
+    rows, sweep = [], []
+    launches = None
+    for M in max_blocks:
+        for B in batches:
+            step = make_step(B, M, dev)
+            paths = Paths(step)
+            paths.check()
+            nbytes = step_bytes(step)
+            half = max(1, nbytes // 2)
+            src = torch.empty(half, dtype=torch.uint8, device=dev)
+            dst = torch.empty_like(src)
+            copy = lambda: dst.copy_(src)  # noqa: E731
+            g_one, g_two, g_copy = capture(paths.one_pass), capture(paths.two_step), capture(copy)
+            r = dict(B=B, M=M, bytes=nbytes)
+            r["one_pass_us"] = bench(paths.one_pass)
+            r["one_pass_graph_us"] = bench(g_one.replay)
+            r["two_step_us"] = bench(paths.two_step)
+            r["two_step_graph_us"] = bench(g_two.replay)
+            r["eager_us"] = bench(paths.eager)
+            r["copy_us"] = bench(copy)
+            r["copy_graph_us"] = bench(g_copy.replay)
+            r["graph_vs_copy"] = r["one_pass_graph_us"] / r["copy_graph_us"]
+            r["direct_vs_copy"] = r["one_pass_us"] / r["copy_us"]
+            r["two_step_graph_vs_copy"] = r["two_step_graph_us"] / r["copy_graph_us"]
+            r["eager_vs_one_pass_graph"] = r["eager_us"] / r["one_pass_graph_us"]
+            r["one_pass_graph_gbs"] = nbytes / (r["one_pass_graph_us"] * 1e-6) / 1e9
+            r["host_one_pass_fast_us"] = host_us(paths.one_pass)
+            r["host_one_pass_normal_us"] = host_us(paths.one_pass_normal)
+            r["host_two_step_us"] = host_us(paths.two_step)
+            r["host_copy_us"] = host_us(copy)
+            r["host_graph_replay_us"] = host_us(g_one.replay)
+            rows.append(r)
+            print(fmt_row(r), file=sys.stderr, flush=True)
+            if with_launches and (launches is None or (B, M) == (256, 2048)):
+                launches = dict(B=B, M=M)
+                for name, fn in (("one_pass", paths.one_pass), ("two_step", paths.two_step), ("eager", paths.eager)):
+                    launches[name], launches[name + "_copies"] = count_launches(fn)
+            if (B, M) in SWEEP_SIZES:
+                sweep.extend(sweep_cuda(paths, nbytes, r["copy_graph_us"], sweep_configs, bench))
+            del g_one, g_two, g_copy, src, dst
+    return dict(prepare=rows, sweep=sweep, launches=launches)
+
+
+def sweep_cuda(paths: Paths, nbytes: int, copy_graph_us: float, configs, bench) -> list[dict]:
+    """One-pass kernel under graph replay for each (BLOCK, num_warps) in ``configs`` (None: default)."""
+    B, M = paths.vectors[0].shape[0], paths.off.shape[3]
+    out = []
+    for blk, warps in configs:
+        tune = {} if blk is None else dict(block=blk, num_warps=warps)
+        fn = lambda: paths.one_pass(**tune)  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        want = K.prepare_paged_latent_one_pass_reference(paths.off, POOL, DIVISOR, BACKEND, *paths.vectors, **paths.kw)
+        assert all(torch.equal(getattr(paths.out, f), t) for f, t in want.tensors().items()), (B, M, blk, warps)
+        us = bench(capture(fn).replay)
+        out.append(dict(B=B, M=M, block=blk or "default", num_warps=warps or "default", graph_us=us,
+                        vs_copy=us / copy_graph_us, gbs=nbytes / (us * 1e-6) / 1e9))
+        print(f"  sweep B={B} M={M} BLOCK={blk} warps={warps}: {us:.1f} µs", file=sys.stderr, flush=True)
+    return out
+
+
+# --------------------------------------------------------------------------- CPU run
+
+
+def bench_cpu(batches, max_blocks, reps: int) -> dict:
+    impl = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "reference"
     rows = []
     for M in max_blocks:
         for B in batches:
-            inputs, kw = make_inputs(B, M, "cpu")
-            ref = lambda: K.prepare_paged_latent_reference(*inputs, **kw)  # noqa: E731
-            eager = lambda: eager_prepare_paged_latent(*inputs, **kw)  # noqa: E731
-            t_ref = _median_wall(ref, reps)
-            t_eager = _median_wall(eager, reps)
-            nbytes = step_bytes(inputs, kw)
+            step = make_step(B, M, "cpu")
+            paths = Paths(step, impl=impl)
+            paths.check()
+            nbytes = step_bytes(step)
             half = max(1, nbytes // 2)
             src = torch.empty(half, dtype=torch.uint8)
             dst = torch.empty_like(src)
-            t_copy = _median_wall(lambda: dst.copy_(src), reps)
-            gbs = nbytes / (t_ref * 1e-3) / 1e9
-            copy_gbs = 2 * half / (t_copy * 1e-3) / 1e9
-            rows.append(
-                dict(
-                    B=B, M=M, fused_us=t_ref * 1e3, graph_us=float("nan"), eager_us=t_eager * 1e3,
-                    speedup=t_eager / t_ref, bytes=nbytes, gbs=gbs, copy_gbs=copy_gbs, pct_copy=100 * gbs / copy_gbs,
-                )
-            )
-            print_row(rows[-1], file=sys.stderr)
-    return rows
+            nan = float("nan")
+            r = dict(B=B, M=M, bytes=nbytes, one_pass_us=_median_wall(paths.one_pass, reps) * 1e3,
+                     one_pass_graph_us=nan, two_step_us=_median_wall(paths.two_step, reps) * 1e3,
+                     two_step_graph_us=nan, eager_us=_median_wall(paths.eager, reps) * 1e3,
+                     copy_us=_median_wall(lambda: dst.copy_(src), reps) * 1e3, copy_graph_us=nan)
+            r["direct_vs_copy"] = r["one_pass_us"] / r["copy_us"]
+            r["graph_vs_copy"] = r["two_step_graph_vs_copy"] = r["eager_vs_one_pass_graph"] = nan
+            rows.append(r)
+            print(fmt_row(r), file=sys.stderr, flush=True)
+    return dict(prepare=rows, sweep=[], launches=None, cpu_impl=impl)
+
+
+# --------------------------------------------------------------------------- report
 
 
 HEADER = (
-    "|    B |     M | fused µs | graph µs | eager µs | eager/fused |   MiB moved | fused GB/s | copy GB/s | % of copy |\n"
-    "|-----:|------:|---------:|---------:|---------:|------------:|------------:|-----------:|----------:|----------:|"
+    "|    B |     M |  MiB | one-pass µs | graph µs | two-step µs | graph µs | eager µs | copy µs | graph µs |"
+    " one-pass/copy (graph) |  (direct) | two-step/copy (graph) | eager/one-pass (graph) |\n"
+    "|-----:|------:|-----:|------------:|---------:|------------:|---------:|---------:|--------:|---------:|"
+    "----------------------:|----------:|----------------------:|-----------------------:|"
 )
 
 
-def fmt_row(r) -> str:
-    g = "n/a" if r["graph_us"] != r["graph_us"] else f"{r['graph_us']:.1f}"
+def _f(v: float, width: int, digits: int = 1, suffix: str = "") -> str:
+    return f"{'n/a':>{width}}" if v != v else f"{v:{width - len(suffix)}.{digits}f}{suffix}"
+
+
+def fmt_row(r: dict) -> str:
     return (
-        f"| {r['B']:4d} | {r['M']:5d} | {r['fused_us']:8.1f} | {g:>8} | {r['eager_us']:8.1f} | "
-        f"{r['speedup']:10.1f}x | {r['bytes'] / 2**20:11.3f} | {r['gbs']:10.1f} | {r['copy_gbs']:9.1f} | "
-        f"{r['pct_copy']:8.1f}% |"
+        f"| {r['B']:4d} | {r['M']:5d} | {r['bytes'] / 2**20:4.2f} | {_f(r['one_pass_us'], 11)} | "
+        f"{_f(r['one_pass_graph_us'], 8)} | {_f(r['two_step_us'], 11)} | {_f(r['two_step_graph_us'], 8)} | "
+        f"{_f(r['eager_us'], 8)} | {_f(r['copy_us'], 7)} | {_f(r['copy_graph_us'], 8)} | "
+        f"{_f(r['graph_vs_copy'], 22, 2, 'x')} | {_f(r['direct_vs_copy'], 9, 1, 'x')} | "
+        f"{_f(r['two_step_graph_vs_copy'], 21, 2, 'x')} | {_f(r['eager_vs_one_pass_graph'], 22, 0, 'x')} |"
     )
 
 
-def print_row(r, file=sys.stdout):
-    print(fmt_row(r), file=file, flush=True)
+def print_report(result: dict) -> None:
+    print(HEADER)
+    for r in result["prepare"]:
+        print(fmt_row(r))
+    if result["prepare"] and "host_one_pass_fast_us" in result["prepare"][0]:
+        print("\nhost µs per call (back-to-back calls, no sync)")
+        print("|    B |     M | one-pass fast | one-pass normal | two-step | copy_ | graph replay |")
+        print("|-----:|------:|--------------:|----------------:|---------:|------:|-------------:|")
+        for r in result["prepare"]:
+            print(f"| {r['B']:4d} | {r['M']:5d} | {r['host_one_pass_fast_us']:13.1f} | "
+                  f"{r['host_one_pass_normal_us']:15.1f} | {r['host_two_step_us']:8.1f} | {r['host_copy_us']:5.1f} | "
+                  f"{r['host_graph_replay_us']:12.1f} |")
+    if result.get("sweep"):
+        print("\none-pass kernel, BLOCK x num_warps under graph replay (default: kernels._checks.one_pass_config)")
+        print("|    B |     M |   BLOCK | warps | graph µs | / copy (graph) |  GB/s |")
+        print("|-----:|------:|--------:|------:|---------:|---------------:|------:|")
+        for r in result["sweep"]:
+            print(f"| {r['B']:4d} | {r['M']:5d} | {str(r['block']):>7} | {str(r['num_warps']):>5} | "
+                  f"{r['graph_us']:8.1f} | {r['vs_copy']:13.2f}x | {r['gbs']:5.0f} |")
+    la = result.get("launches")
+    if la:
+        print(f"\nkernel launches per call (torch.profiler, B={la['B']}, M={la['M']}): "
+              f"one-pass {la['one_pass']} kernel(s) + {la['one_pass_copies']} memcpy/memset; "
+              f"two-step {la['two_step']} + {la['two_step_copies']}; eager {la['eager']} + {la['eager_copies']}")
 
 
-def print_cuda_extras(result: dict) -> None:
-    """The CUDA run's extra tables: decode timings, BLOCK sweep, host cost, launch counts."""
-    if result.get("decode"):
-        print("\ndecode_draft_block_table (python backend, pool 1 of 2): Triton vs torch reference")
-        print("|    B |     M | triton µs | graph µs | torch µs | torch/triton | triton GB/s | graph GB/s |")
-        print("|-----:|------:|----------:|---------:|---------:|-------------:|------------:|-----------:|")
-        for r in result["decode"]:
-            print(f"| {r['B']:4d} | {r['M']:5d} | {r['triton_us']:9.1f} | {r['graph_us']:8.1f} | {r['torch_us']:8.1f} | "
-                  f"{r['speedup']:11.1f}x | {r['gbs']:11.1f} | {r['graph_gbs']:10.1f} |")
-    if result.get("block_sweep"):
-        print("\nBLOCK sweep, prepare_paged_latent, direct launches (default BLOCK: kernels._checks.pick_block)")
-        for r in result["block_sweep"]:
-            print(f"  B={r['B']:4d} M={r['M']:5d} BLOCK={r['block']:5d}: {r['us']:8.1f} µs  {r['gbs']:8.1f} GB/s")
-    h = result.get("host")
-    if h:
-        print(f"\nhost-side cost per call (B={h['B']}, M={h['M']}, back-to-back, no sync): "
-              f"fused {h['fused_us']:.1f} µs, graph replay {h['graph_replay_us']:.1f} µs, eager {h['eager_us']:.1f} µs")
-    la = result["launches"]
-    print(f"\nkernel launches per call (torch.profiler, B={la['B']}, M={la['M']}): "
-          f"fused {la['fused']} kernel(s) + {la['fused_copies']} memcpy/memset; "
-          f"eager {la['eager']} kernel(s) + {la['eager_copies']} memcpy/memset")
-
-
-def main(argv=None) -> int:
+def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small grid, few repetitions (CPU smoke run)")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and sweep configs (CPU: tiny sizes)")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     ap.add_argument("--reps", type=int, default=None, help="CPU repetitions per timing")
@@ -289,35 +375,32 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    batches = (1, 8, 64) if args.quick else BATCHES
-    max_blocks = (128, 2048) if args.quick else MAX_BLOCKS
-    result = dict(date=datetime.date.today().isoformat(), torch=torch.__version__)
+    result: dict[str, Any] = dict(date=datetime.date.today().isoformat(), torch=torch.__version__,
+                                  P=P, block_size=BLOCK_SIZE, max_new=MAX_NEW, backend=BACKEND)
     if use_cuda:
         import triton
 
-        dev_name = torch.cuda.get_device_name()
-        result.update(device=dev_name, triton=triton.__version__, timer="triton.testing.do_bench (median, L2 flushed)")
-        rows, decode_rows, sweep_rows, launches, host = bench_cuda(batches, max_blocks)
-        result.update(prepare=rows, decode=decode_rows, block_sweep=sweep_rows, launches=launches, host=host)
-        print(f"\nprepare_paged_latent on {dev_name} (torch {torch.__version__}, triton {triton.__version__}); "
-              "fused = Triton, one launch; timer: do_bench median, L2 flushed")
+        batches = QUICK_BATCHES if args.quick else BATCHES
+        max_blocks = QUICK_MAX_BLOCKS if args.quick else MAX_BLOCKS
+        result.update(device=torch.cuda.get_device_name(), triton=triton.__version__,
+                      timer="triton.testing.do_bench (median, L2 flushed), µs")
+        result.update(bench_cuda(batches, max_blocks, SWEEP_CONFIGS_QUICK if args.quick else SWEEP_CONFIGS))
+        print(f"\nDFlash step preparation on {result['device']} (torch {torch.__version__}, triton "
+              f"{triton.__version__}); do_bench medians, L2 flushed; eager is not capturable (host sync)")
     else:
-        reps = args.reps or (5 if args.quick else 11)
+        reps = args.reps or (3 if args.quick else 7)
         torch.set_num_threads(args.threads)
-        result.update(device="cpu", timer=f"time.perf_counter median of {reps}")
-        rows = bench_cpu(batches, max_blocks, reps)
-        result.update(prepare=rows)
-        print(f"\nCPU run (torch {torch.__version__}, {torch.get_num_threads()} threads): no Triton kernel is timed on CPU; "
-              "'fused' = the plain-torch reference prepare_paged_latent_reference, "
-              f"timer: time.perf_counter median of {reps}")
-    print(HEADER)
-    for r in rows:
-        print_row(r)
-    if use_cuda:
-        print_cuda_extras(result)
+        batches = CPU_BATCHES if args.quick else QUICK_BATCHES
+        max_blocks = CPU_MAX_BLOCKS if args.quick else QUICK_MAX_BLOCKS
+        result.update(device="cpu", timer=f"time.perf_counter median of {reps}, µs")
+        result.update(bench_cpu(batches, max_blocks, reps))
+        print(f"\nCPU smoke run (torch {torch.__version__}): one-pass and two-step run as "
+              f"{'the Triton interpreter' if result['cpu_impl'] == 'triton' else 'the torch reference'}; "
+              "no GPU timing")
+    print_report(result)
     if args.json:
         clean = lambda v: None if isinstance(v, float) and v != v else v  # noqa: E731  NaN -> null
-        for key in ("prepare", "decode", "block_sweep"):
+        for key in ("prepare", "sweep"):
             result[key] = [{k: clean(v) for k, v in r.items()} for r in result.get(key) or []]
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

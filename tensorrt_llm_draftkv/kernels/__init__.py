@@ -3,7 +3,9 @@
 ``decode_draft_block_table`` turns one pool's exported block offsets into page
 tables and extents; ``rebase_block_table`` shifts rows past their base pages;
 ``prepare_paged_latent`` does a DFlash generation step's whole preparation in
-one launch. Each has a ``*_reference`` twin in plain torch; see ``spec_tail_kernels.py`` for
+one launch, from decoded tables (two-step form) or straight from the exported
+block offsets (one-pass form: decode, extents, rebase and preparation in one
+pass). Each has a ``*_reference`` twin in plain torch; see ``spec_tail_kernels.py`` for
 the coordinates and the dispatch rules.
 """
 from .spec_tail_kernels import (
@@ -15,6 +17,7 @@ from .spec_tail_kernels import (
     decode_draft_block_table,
     decode_draft_block_table_reference,
     prepare_paged_latent,
+    prepare_paged_latent_one_pass_reference,
     prepare_paged_latent_reference,
     rebase_block_table,
     rebase_block_table_reference,
@@ -29,6 +32,7 @@ __all__ = [
     "decode_draft_block_table",
     "decode_draft_block_table_reference",
     "prepare_paged_latent",
+    "prepare_paged_latent_one_pass_reference",
     "prepare_paged_latent_reference",
     "rebase_block_table",
     "rebase_block_table_reference",

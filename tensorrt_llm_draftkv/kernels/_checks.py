@@ -6,6 +6,7 @@ step calls them every time. Shapes: ``B`` rows, ``M`` ordinals per row.
 """
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -156,28 +157,177 @@ def check_prepare(
     Returns their device and the four sizes as ints (keyword arguments of the
     reference and the launch).
     """
-    tables, extents, slot_ids, slot_ctx_len, slot_base_pages, num_new = tensors
+    tables, extents, *vectors = tensors
     check_int("tables", tables, 2)
     B, M = tables.shape
     check_int("extents", extents, 1, (B,))
+    kw = _check_step_vectors(
+        B, tuple(vectors), block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new
+    )
+    dev = same_device(*tensors)
+    if out is not None:
+        _check_step_out(out, B, M, kw, dev)
+    return dev, kw
+
+
+def _check_step_vectors(
+    B: int,
+    vectors: tuple[torch.Tensor, ...],
+    *,
+    block_size: int,
+    tokens_per_block: int,
+    max_ctx: int,
+    max_new: int,
+) -> dict[str, int]:
+    """The per-row/per-slot vectors and the four sizes shared by both forms of ``prepare_paged_latent``."""
+    slot_ids, slot_ctx_len, slot_base_pages, num_new = vectors
     check_int("slot_ids", slot_ids, 1, (B,))
     check_int("slot_ctx_len", slot_ctx_len, 1)
     check_int("slot_base_pages", slot_base_pages, 1, slot_ctx_len.shape)
     check_int("num_new", num_new, 1, (B,))
-    dev = same_device(*tensors)
     kw = dict(block_size=int(block_size), tokens_per_block=int(tokens_per_block), max_ctx=int(max_ctx),
               max_new=int(max_new))
     if kw["tokens_per_block"] < 1:
         raise ValueError(f"tokens_per_block must be >= 1, got {kw['tokens_per_block']}")
     if kw["block_size"] < 0 or kw["max_new"] < 0 or kw["max_ctx"] < 0:
         raise ValueError("block_size, max_new and max_ctx must be >= 0")
+    return kw
+
+
+def _check_step_out(out: PagedLatentPrep, B: int, M: int, kw: dict[str, int], dev: torch.device) -> None:
+    i32, i64, bs, n = torch.int32, torch.int64, kw["block_size"], kw["max_new"]
+    check_out("read_rows", out.read_rows, (B, M), i32, dev)
+    check_out("read_lens", out.read_lens, (B,), i64, dev)
+    check_out("query_pos", out.query_pos, (B, bs), i64, dev)
+    check_out("store_pages", out.store_pages, (B, n), i32, dev)
+    check_out("store_offsets", out.store_offsets, (B, n), i32, dev)
+    check_out("new_ctx_len", out.new_ctx_len, (B,), i64, dev)
+    check_out("shift", out.shift, (B,), i64, dev)
+
+
+def check_one_pass(
+    block_offsets: Optional[torch.Tensor],
+    pool_idx: int,
+    divisor: Optional[int],
+    backend: Optional[str],
+    tables: Optional[torch.Tensor],
+    extents: Optional[torch.Tensor],
+    vectors: tuple[torch.Tensor, ...],
+    *,
+    block_size: int,
+    tokens_per_block: int,
+    max_ctx: int,
+    max_new: int,
+    out: Optional[PagedLatentPrep],
+) -> tuple[torch.device, dict[str, int], int, int, str]:
+    """The one-pass form of ``prepare_paged_latent`` (exported offsets instead of tables).
+
+    ``B = len(slot_ids)`` rows are prepared from rows ``0 .. B-1`` of pool
+    ``pool_idx``. Returns the device, the four sizes as ints, the pool index,
+    the divisor and the backend.
+    """
+    if block_offsets is None:
+        raise ValueError("prepare_paged_latent needs either tables and extents, or block_offsets (one-pass form)")
+    if tables is not None or extents is not None:
+        raise ValueError(
+            "prepare_paged_latent: pass tables and extents (two-step form) or block_offsets (one-pass form), "
+            "not both; give tables=None and extents=None with block_offsets"
+        )
+    check_int("block_offsets", block_offsets, 4)
+    num_pools, B_exp, two, M = block_offsets.shape
+    if two != 2:
+        raise ValueError(f"block_offsets must be [num_pools, B, 2, M], got {tuple(block_offsets.shape)}")
+    try:
+        pool_idx = operator.index(pool_idx)
+    except TypeError:
+        raise TypeError(f"pool_idx must be an int, got {type(pool_idx).__name__}") from None
+    if not 0 <= pool_idx < num_pools:
+        raise IndexError(f"pool_idx {pool_idx} out of range for {num_pools} pools")
+    if divisor is None:
+        raise ValueError("divisor (offsets per page, the pool's kv_factor) is required with block_offsets")
+    divisor = int(divisor)
+    if divisor < 1:
+        raise ValueError(f"divisor must be >= 1, got {divisor}")
+    if backend is None:
+        backend = "cpp"
+    elif backend not in ("cpp", "python"):
+        raise ValueError(f"backend must be 'cpp' or 'python', got {backend!r}")
+    check_int("slot_ids", vectors[0], 1)
+    B = vectors[0].shape[0]
+    if B > B_exp:
+        raise ValueError(f"slot_ids asks for {B} rows but block_offsets holds {B_exp} rows per pool")
+    kw = _check_step_vectors(
+        B, vectors, block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new
+    )
+    dev = same_device(block_offsets, *vectors)
     if out is not None:
-        i32, i64, bs, n = torch.int32, torch.int64, kw["block_size"], kw["max_new"]
-        check_out("read_rows", out.read_rows, (B, M), i32, dev)
-        check_out("read_lens", out.read_lens, (B,), i64, dev)
-        check_out("query_pos", out.query_pos, (B, bs), i64, dev)
-        check_out("store_pages", out.store_pages, (B, n), i32, dev)
-        check_out("store_offsets", out.store_offsets, (B, n), i32, dev)
-        check_out("new_ctx_len", out.new_ctx_len, (B,), i64, dev)
-        check_out("shift", out.shift, (B,), i64, dev)
-    return dev, kw
+        _check_step_out(out, B, M, kw, dev)
+        if out.extents is None:
+            raise ValueError(
+                "out.extents is None: the one-pass form also writes the extents; allocate out with "
+                "PagedLatentPrep.empty(..., with_extents=True)"
+            )
+        check_out("extents", out.extents, (B,), torch.int64, dev)
+    return dev, kw, pool_idx, divisor, backend
+
+
+# --------------------------------------------------------------------------- one-pass launch sizing
+_ONE_PASS_MAX_BLOCK = 4096
+_sm_counts: dict[int, int] = {}
+
+
+def _sm_count(dev: torch.device) -> int:
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    n = _sm_counts.get(index)
+    if n is None:
+        n = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
+
+
+def one_pass_config(
+    B: int,
+    M: int,
+    dev: torch.device,
+    block: Optional[int],
+    warps: Optional[int],
+    split: Optional[int],
+) -> tuple[int, int, int, int]:
+    """``(BLOCK, SPLIT, num_warps, SCAN)`` of the one-pass kernel for ``B`` rows of ``M`` ordinals.
+
+    Default: one program per row looping over the row in tiles of up to 4096
+    ordinals (each offset read once). With fewer rows than the GPU has SMs, a
+    row is split over ``SPLIT`` programs (tile ``t`` goes to program
+    ``t % SPLIT``, about two programs per SM) and tiles shrink to at least 512
+    ordinals; program 0 of a row then finds the extent by scanning back from
+    the row's end, ``SCAN`` ordinals per step (the tile, widened to up to
+    8192 ordinals on CUDA).
+    Interpreted (CPU): one tile per row, one program per row.
+    """
+    if block is not None and (block < 1 or block & (block - 1)):
+        raise ValueError(f"block must be a power of two >= 1, got {block}")
+    if warps is not None and (warps < 1 or warps & (warps - 1) or warps > 32):
+        raise ValueError(f"num_warps must be a power of two in [1, 32], got {warps}")
+    if split is not None and split < 1:
+        raise ValueError(f"split must be >= 1, got {split}")
+    if dev.type != "cuda":
+        blk = block or min(max(next_pow2(M), 16), _ONE_PASS_MAX_BLOCK)
+        return blk, split or 1, warps or 1, blk
+    sms = _sm_count(dev)
+    want = 2 * sms  # programs that keep every SM busy
+    if block is not None:
+        blk = block
+    elif B >= sms:
+        blk = min(max(next_pow2(M), 128), _ONE_PASS_MAX_BLOCK)
+    else:
+        # enough programs for the SMs, but no tile below 512 ordinals
+        per_prog = -(-B * M // want)
+        blk = min(max(next_pow2(per_prog), 512), _ONE_PASS_MAX_BLOCK, max(next_pow2(M), 128))
+    tiles = max(1, -(-M // blk))
+    if split is None:
+        # a row per program (each offset read once) as soon as every SM has a row
+        split = 1 if B >= sms else min(tiles, -(-want // B))
+    split = min(split, tiles)
+    # split rows: program 0's first span covers the row's last 8192 ordinals, one round trip
+    scan = max(blk, min(2 * _ONE_PASS_MAX_BLOCK if split > 1 else _ONE_PASS_MAX_BLOCK, next_pow2(M)))
+    # warps sized for the widest load a program makes (the scan's, when split)
+    return blk, split, warps or max(1, min(16, (scan if split > 1 else blk) // 256)), scan

@@ -45,6 +45,8 @@ class PagedLatentPrep:
     ``store_offsets``     int32  [B, max_new]      slot inside that page, -1 = no store
     ``new_ctx_len``       int64  [B]               slot context length after the step
     ``shift``             int64  [B]               ordinals the read row was shifted by
+    ``extents``           int64  [B]               extent of each unrebased row (one-pass
+                                                   form only; ``None`` from the two-step form)
     ====================  =====  ================  =========================================
     """
 
@@ -55,6 +57,7 @@ class PagedLatentPrep:
     store_offsets: torch.Tensor
     new_ctx_len: torch.Tensor
     shift: torch.Tensor
+    extents: Optional[torch.Tensor] = None
 
     @classmethod
     def empty(
@@ -64,8 +67,12 @@ class PagedLatentPrep:
         block_size: int,
         max_new: int,
         device: str | torch.device = "cpu",
+        with_extents: bool = False,
     ) -> "PagedLatentPrep":
-        """Allocate (uninitialised) outputs, e.g. once before a CUDA-graph capture."""
+        """Allocate (uninitialised) outputs, e.g. once before a CUDA-graph capture.
+
+        ``with_extents``: also allocate ``extents`` (needed by the one-pass form).
+        """
         i32, i64 = torch.int32, torch.int64
         B = num_rows
         return cls(
@@ -76,15 +83,19 @@ class PagedLatentPrep:
             store_offsets=torch.empty((B, max_new), dtype=i32, device=device),
             new_ctx_len=torch.empty((B,), dtype=i64, device=device),
             shift=torch.empty((B,), dtype=i64, device=device),
+            extents=torch.empty((B,), dtype=i64, device=device) if with_extents else None,
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Field name -> tensor, in declaration order."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Field name -> tensor, in declaration order; a field that is ``None`` is left out."""
+        return {f.name: t for f in fields(self) if (t := getattr(self, f.name)) is not None}
 
     def copy_(self, other: "PagedLatentPrep") -> "PagedLatentPrep":
+        """Copy ``other`` into this one's tensors (a field ``other`` lacks is left as it is)."""
         for name, t in self.tensors().items():
-            t.copy_(getattr(other, name))
+            src = getattr(other, name)
+            if src is not None:
+                t.copy_(src)
         return self
 
 
@@ -199,6 +210,40 @@ def prepare_paged_latent_reference(
         new_ctx_len=new_ctx,
         shift=shift,
     )
+    if out is not None:
+        return out.copy_(res)
+    return res
+
+
+def prepare_paged_latent_one_pass_reference(
+    block_offsets: torch.Tensor,
+    pool_idx: int,
+    divisor: int,
+    backend: str,
+    slot_ids: torch.Tensor,
+    slot_ctx_len: torch.Tensor,
+    slot_base_pages: torch.Tensor,
+    num_new: torch.Tensor,
+    *,
+    block_size: int,
+    tokens_per_block: int,
+    max_ctx: int,
+    max_new: int,
+    out: Optional[PagedLatentPrep] = None,
+) -> PagedLatentPrep:
+    """Torch reference of the one-pass form of :func:`~tensorrt_llm_draftkv.kernels.prepare_paged_latent`.
+
+    By definition the two-step composition: decode rows ``0 .. B-1`` of pool
+    ``pool_idx`` (``B = len(slot_ids)``), then prepare from those tables and
+    extents; the result also carries the decoded extents.
+    """
+    B = slot_ids.shape[0]
+    bt = decode_draft_block_table_reference(block_offsets, pool_idx, B, divisor, backend)
+    res = prepare_paged_latent_reference(
+        bt.tables, bt.extents, slot_ids, slot_ctx_len, slot_base_pages, num_new,
+        block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new,
+    )
+    res.extents = bt.extents
     if out is not None:
         return out.copy_(res)
     return res

@@ -22,8 +22,17 @@ Dispatch
 Triton interpreter when ``os.environ["TRITON_INTERPRET"] == "1"``, else the
 torch reference. ``impl="triton"`` forces the kernel (interpreted on CPU),
 ``impl="reference"`` forces the torch reference. Every Triton launch increments
-``LAUNCH_COUNTS[name]`` (a host-side counter; under CUDA-graph capture it counts
-the captured launch once).
+``LAUNCH_COUNTS[name]`` (a host-side counter keyed by kernel name, the one-pass
+form's being ``"prepare_paged_latent_one_pass"``; under CUDA-graph capture it
+counts the captured launch once).
+
+On CUDA a launch goes through the fast launcher (``_launch.py``): the compiled
+kernel is bound once per launch class and then launched directly on the current
+stream, without Triton's per-call binding; ``fast_launch=False`` (or
+``DRAFTKV_FAST_LAUNCH=0``) takes Triton's normal path. The one-pass form also
+remembers each checked call signature (``_plan_key``), so a repeated call with
+the same shapes, dtypes, strides and output tensors skips the checks and the
+launch sizing as well.
 
 None of the Triton paths synchronises with the host or creates data-dependent
 shapes; all outputs can be preallocated via ``out=`` so a step can be captured
@@ -35,16 +44,30 @@ from __future__ import annotations
 
 import collections
 import os
+import weakref
 from typing import Any, Optional, Sequence
 
 import torch
 
-from ._checks import check_decode, check_impl, check_prepare, check_rebase, next_pow2, num_warps, pick_block, vec
+from . import _launch as _fl
+from ._checks import (
+    check_decode,
+    check_impl,
+    check_one_pass,
+    check_prepare,
+    check_rebase,
+    next_pow2,
+    num_warps as warps_for,
+    one_pass_config,
+    pick_block,
+    vec,
+)
 from .reference import (
     BlockTables,
     PagedLatentPrep,
     RebasedTables,
     decode_draft_block_table_reference,
+    prepare_paged_latent_one_pass_reference,
     prepare_paged_latent_reference,
     rebase_block_table_reference,
 )
@@ -86,17 +109,39 @@ def triton_runs(impl: Optional[str], device: torch.device) -> bool:
     return _use_triton(impl, device)
 
 
-def _launch(name: str, device: torch.device, grid: tuple[int, int], args: Sequence, **meta: Any) -> None:
+def _launch(
+    name: str,
+    device: torch.device,
+    grid: tuple[int, int],
+    args: Sequence,
+    fast: bool = True,
+    plan_key: Optional[tuple] = None,
+    **meta: Any,
+) -> None:
+    """One launch of kernel ``name``: interpreted on CPU, else compiled (fast path if allowed).
+
+    ``plan_key``: the one-pass form's call signature (see :func:`_plan_key`);
+    when given, the compiled kernel and launch sizes are remembered under it.
+    """
     interpreted = device.type != "cuda"
     kern = _tk.get_kernel(name, interpreted)
     LAUNCH_COUNTS[name] += 1
     if name == "decode_draft_block_table":
         meta["COMPILED"] = not interpreted
-    if interpreted or device.index is None or device.index == torch.cuda.current_device():
+    if interpreted:
         kern[grid](*args, **meta)
-    else:
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index == torch.cuda.current_device():
+        if fast and _fl.ENABLED:
+            ck = _fl.launch_fast(kern, index, grid, args, meta)
+            if plan_key is not None and ck is not None:
+                _remember_plan(plan_key, ck, index, grid, args, meta, kern)
+        else:
+            _fl.launch_normal(kern, grid, args, meta)
+    else:  # Triton compiles and launches for the current device
         with torch.cuda.device(device):
-            kern[grid](*args, **meta)
+            _fl.launch_normal(kern, grid, args, meta)
 
 
 # --------------------------------------------------------------------------- decode
@@ -157,7 +202,7 @@ def decode_draft_block_table(
         (k, out.tables, out.extents, M, divisor, k.stride(0), k.stride(1), out.tables.stride(0), 1),
         FULL_ROWS=backend == "cpp",
         BLOCK=blk,
-        num_warps=num_warps(blk),
+        num_warps=warps_for(blk),
     )
     return BlockTables(out.tables, out.extents)
 
@@ -222,7 +267,7 @@ def rebase_block_table(
             out.rows.stride(0),
         ),
         BLOCK=blk,
-        num_warps=num_warps(blk),
+        num_warps=warps_for(blk),
     )
     return RebasedTables(out.rows, out.extents, out.shift)
 
@@ -231,8 +276,8 @@ def rebase_block_table(
 
 
 def prepare_paged_latent(
-    tables: torch.Tensor,
-    extents: torch.Tensor,
+    tables: Optional[torch.Tensor],
+    extents: Optional[torch.Tensor],
     slot_ids: torch.Tensor,
     slot_ctx_len: torch.Tensor,
     slot_base_pages: torch.Tensor,
@@ -245,8 +290,25 @@ def prepare_paged_latent(
     out: Optional[PagedLatentPrep] = None,
     impl: Optional[str] = None,
     block: Optional[int] = None,
+    block_offsets: Optional[torch.Tensor] = None,
+    pool_idx: int = 0,
+    divisor: Optional[int] = None,
+    backend: Optional[str] = None,
+    num_warps: Optional[int] = None,
+    split: Optional[int] = None,
+    fast_launch: bool = True,
 ) -> PagedLatentPrep:
     """One DFlash generation step's preparation, in ONE kernel launch.
+
+    Two forms, identical results:
+
+    * **two-step**: ``tables`` and ``extents`` come from
+      :func:`decode_draft_block_table` (a launch of its own);
+    * **one-pass**: ``tables=None, extents=None`` and the exported
+      ``block_offsets`` with ``pool_idx``, ``divisor`` and ``backend``; the
+      decode, the extents, the rebase and the preparation then happen in one
+      launch that reads each offset of the rows once. The result's
+      ``extents`` field holds the decoded extents (``None`` in the two-step form).
 
     Args (``B`` rows, ``M`` ordinals per row, ``S`` slots, ``P = tokens_per_block``):
         tables: int32/int64 ``[B, M]`` UNREBASED page tables of the rows (any strides).
@@ -259,7 +321,21 @@ def prepare_paged_latent(
         block_size: queries of the block decode (bonus token + mask tokens).
         max_ctx: maximum context length (positions ``>= max_ctx`` are not stored).
         max_new: width of the store-target outputs.
-        out: optional preallocated :class:`PagedLatentPrep` (contiguous tensors).
+        out: optional preallocated :class:`PagedLatentPrep` (contiguous tensors;
+            the one-pass form also needs ``out.extents``:
+            ``PagedLatentPrep.empty(..., with_extents=True)``).
+        block_offsets: one-pass form: int32/int64 ``[num_pools, B', 2, M]`` as
+            exported (any strides, ``B' >= B``); rows ``0 .. B-1`` of pool
+            ``pool_idx`` are read, K half only. ``"cpp"`` exports hold page 0
+            (or a guard page) at unbacked ordinals, ``"python"`` exports -1.
+        pool_idx, divisor, backend: as in :func:`decode_draft_block_table`
+            (``backend`` defaults to ``"cpp"``); one-pass form only.
+        impl: ``None`` / ``"triton"`` / ``"reference"`` (see module docstring).
+        block, num_warps, split: tuning only (ordinals per tile, warps per
+            program, programs per row; ``split`` applies to the one-pass form).
+        fast_launch: on CUDA, launch through the bound compiled kernel (see
+            ``_launch.py``) rather than Triton's per-call binding; same kernel,
+            same results.
 
     Per row ``b`` with ``s = slot_ids[b]``, ``L = slot_ctx_len[s]``,
     ``base = slot_base_pages[s]``, ``n = num_new[b]``:
@@ -277,7 +353,16 @@ def prepare_paged_latent(
     No host synchronisation, no data-dependent shape: capturable in a CUDA graph
     when ``out`` is preallocated.
     """
-    tensors = (tables, extents, slot_ids, slot_ctx_len, slot_base_pages, num_new)
+    vectors = (slot_ids, slot_ctx_len, slot_base_pages, num_new)
+    if block_offsets is not None or tables is None:
+        return _prepare_one_pass(
+            block_offsets, pool_idx, divisor, backend, tables, extents, vectors,
+            block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new,
+            out=out, impl=impl, block=block, num_warps=num_warps, split=split, fast_launch=fast_launch,
+        )
+    if pool_idx != 0 or divisor is not None or backend is not None or split is not None:
+        raise ValueError("pool_idx, divisor, backend and split belong to the one-pass form (with block_offsets)")
+    tensors = (tables, extents, *vectors)
     dev, kw = check_prepare(
         tensors, block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new, out=out
     )
@@ -288,7 +373,102 @@ def prepare_paged_latent(
         out = PagedLatentPrep.empty(B, M, kw["block_size"], kw["max_new"], device=dev)
     if B == 0:
         return out
-    _launch_prepare(tensors, out, block, **kw)
+    _launch_prepare(tensors, out, block, num_warps, fast_launch, **kw)
+    return out
+
+
+def _prepare_one_pass(
+    block_offsets: Optional[torch.Tensor],
+    pool_idx: int,
+    divisor: Optional[int],
+    backend: Optional[str],
+    tables: Optional[torch.Tensor],
+    extents: Optional[torch.Tensor],
+    vectors: tuple[torch.Tensor, ...],
+    *,
+    block_size: int,
+    tokens_per_block: int,
+    max_ctx: int,
+    max_new: int,
+    out: Optional[PagedLatentPrep],
+    impl: Optional[str],
+    block: Optional[int],
+    num_warps: Optional[int],
+    split: Optional[int],
+    fast_launch: bool,
+) -> PagedLatentPrep:
+    """The one-pass form of :func:`prepare_paged_latent` (checks, dispatch, the launch)."""
+    if fast_launch and out is not None and impl != "reference" and _fl.ENABLED:
+        plan_key = _plan_key(block_offsets, vectors, out, tables, extents, pool_idx, divisor, backend,
+                             block_size, tokens_per_block, max_new, block, num_warps, split)
+        if plan_key is not None and _launch_planned(plan_key, block_offsets, vectors, out, max_ctx):
+            return out
+    else:
+        plan_key = None
+    dev, kw, pool_idx, divisor, backend = check_one_pass(
+        block_offsets, pool_idx, divisor, backend, tables, extents, vectors,
+        block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new, out=out,
+    )
+    assert block_offsets is not None
+    if not _use_triton(impl, dev):
+        return prepare_paged_latent_one_pass_reference(
+            block_offsets, pool_idx, divisor, backend, *vectors, out=out, **kw
+        )
+    B = vectors[0].shape[0]
+    M = block_offsets.shape[3]
+    if out is None:
+        out = PagedLatentPrep.empty(B, M, kw["block_size"], kw["max_new"], device=dev, with_extents=True)
+    if B == 0:
+        return out
+    blk, nsplit, warps, scan = one_pass_config(B, M, dev, block, num_warps, split)
+    s_pool, s_ob, _, s_om = block_offsets.stride()
+    # output rows start 16-byte aligned when M is a multiple of 4 (int32 entries)
+    row_align = 4 if M % 4 == 0 else (2 if M % 2 == 0 else 1)
+    slot_ids, slot_ctx_len, slot_base_pages, num_new = vectors
+    _launch(
+        "prepare_paged_latent_one_pass",
+        dev,
+        (B, nsplit),
+        (
+            block_offsets,
+            vec(slot_ids),
+            vec(slot_ctx_len),
+            vec(slot_base_pages),
+            vec(num_new),
+            out.read_rows,
+            out.read_lens,
+            out.query_pos,
+            out.store_pages,
+            out.store_offsets,
+            out.new_ctx_len,
+            out.shift,
+            out.extents,
+            M,
+            M // row_align,
+            pool_idx * s_pool,
+            s_ob,
+            s_om,
+            divisor,
+            kw["max_ctx"],
+            kw["block_size"],
+            kw["max_new"],
+        ),
+        fast_launch,
+        plan_key,
+        P=kw["tokens_per_block"],
+        BLOCK=blk,
+        SCAN=scan,
+        QBLOCK=next_pow2(max(kw["block_size"], 1)),
+        NBLOCK=next_pow2(max(kw["max_new"], 1)),
+        SPLIT=nsplit,
+        ROW_ALIGN=row_align,
+        DIV_SHIFT=divisor.bit_length() - 1 if divisor & (divisor - 1) == 0 else -1,
+        UNIT_COL=s_om == 1,
+        WIDE_COL=max(M - 1, 0) * s_om >= 2**31,
+        FULL_ROWS=backend == "cpp",
+        COMPILED=dev.type == "cuda",
+        num_warps=warps,
+    )
     return out
 
 
@@ -296,6 +476,8 @@ def _launch_prepare(
     tensors: tuple[torch.Tensor, ...],
     out: PagedLatentPrep,
     block: Optional[int],
+    warps: Optional[int],
+    fast: bool,
     *,
     block_size: int,
     tokens_per_block: int,
@@ -330,12 +512,114 @@ def _launch_prepare(
             tables.stride(1),
             out.read_rows.stride(0),
         ),
+        fast,
         P=tokens_per_block,
         BLOCK=blk,
         QBLOCK=next_pow2(max(block_size, 1)),
         NBLOCK=next_pow2(max(max_new, 1)),
-        num_warps=num_warps(blk),
+        num_warps=warps or warps_for(blk),
     )
+
+
+# --------------------------------------------------------------------------- one-pass fast plans
+#: call signature of a checked one-pass call -> (kernel, stream device, grid, int args, constexprs)
+_PLANS: dict[tuple, tuple] = {}
+_PLAN_LIMIT = 4096  # a bound on distinct signatures kept (plans are tiny)
+if HAVE_TRITON:
+    _fl._ON_CLEAR.append(_PLANS.clear)
+
+
+def _plan_key(
+    block_offsets: Optional[torch.Tensor],
+    vectors: tuple[torch.Tensor, ...],
+    out: PagedLatentPrep,
+    tables: Optional[torch.Tensor],
+    extents: Optional[torch.Tensor],
+    pool_idx: Any,
+    divisor: Any,
+    backend: Any,
+    block_size: Any,
+    tokens_per_block: Any,
+    max_new: Any,
+    block: Any,
+    num_warps: Any,
+    split: Any,
+) -> Optional[tuple]:
+    """Everything the checks and the launch sizing of a one-pass call depend on, except ``max_ctx``.
+
+    Two calls with equal keys pass the same checks and launch the same compiled
+    kernel on the same grid; only data pointers and ``max_ctx`` differ. Inputs
+    enter by dtype, shape, strides and device; the preallocated outputs by
+    identity (the plan holds weak references to them, so an id is never
+    mistaken for a dead tensor's; an output whose shape is changed in place with
+    ``resize_``/``set_`` after it was checked is not checked again). ``None``
+    when the call is not eligible (then the checked path runs and raises the
+    documented errors).
+    """
+    if block_offsets is None or tables is not None or extents is not None or out.extents is None:
+        return None
+    if not (type(block_offsets) is torch.Tensor and block_offsets.is_cuda):
+        return None
+    sid, ctx, base, n = vectors
+    o = out
+    try:
+        return (
+            block_offsets.dtype, block_offsets.shape, block_offsets.stride(), block_offsets.get_device(),
+            sid.dtype, sid.shape, sid.stride(), sid.get_device(),
+            ctx.dtype, ctx.shape, ctx.stride(), ctx.get_device(),
+            base.dtype, base.shape, base.stride(), base.get_device(),
+            n.dtype, n.shape, n.stride(), n.get_device(),
+            # outputs by identity: the plan keeps weak references and re-checks them
+            id(o.read_rows), id(o.read_lens), id(o.query_pos), id(o.store_pages),
+            id(o.store_offsets), id(o.new_ctx_len), id(o.shift), id(o.extents),
+            type(pool_idx), pool_idx, type(divisor), divisor, backend,
+            type(block_size), block_size, type(tokens_per_block), tokens_per_block, type(max_new), max_new,
+            block, num_warps, split,
+        )
+    except (AttributeError, TypeError):  # not tensors: the checked path says what is wrong
+        return None
+
+
+def _remember_plan(key: tuple, ck: Any, index: int, grid: tuple, args: Sequence, meta: dict, kern: Any) -> None:
+    ints = tuple(a for a in args if not isinstance(a, torch.Tensor))
+    outs = tuple(weakref.ref(t) for t in args[5:13])
+    order = tuple(kern.arg_names[len(args):])
+    consts = tuple(meta[name] for name in order)
+    rows_aligned = (args[5].data_ptr() & 15) == 0
+    if len(_PLANS) >= _PLAN_LIMIT:
+        _PLANS.clear()
+    _PLANS[key + (rows_aligned, -(2**31) <= int(args[19]) < 2**31)] = (ck, index, grid, ints, consts, outs)
+
+
+def _launch_planned(
+    key: tuple, block_offsets: torch.Tensor, vectors: tuple[torch.Tensor, ...], out: PagedLatentPrep, max_ctx: Any
+) -> bool:
+    """Launch a one-pass call whose signature was checked before; ``False`` if it was not."""
+    if type(max_ctx) is not int or max_ctx < 0 or _fl._hooked():
+        return False
+    rows = out.read_rows.data_ptr()
+    plan = _PLANS.get(key + ((rows & 15) == 0, max_ctx < 2**31))
+    if plan is None:
+        return False
+    ck, index, grid, ints, consts, outs = plan
+    o = out
+    if (
+        outs[0]() is not o.read_rows or outs[1]() is not o.read_lens or outs[2]() is not o.query_pos
+        or outs[3]() is not o.store_pages or outs[4]() is not o.store_offsets or outs[5]() is not o.new_ctx_len
+        or outs[6]() is not o.shift or outs[7]() is not o.extents or torch.cuda.current_device() != index
+    ):
+        return False
+    sid, ctx, base, n = vectors
+    LAUNCH_COUNTS["prepare_paged_latent_one_pass"] += 1
+    # ints: M, rows_q, pool_off, s_ob, s_om, divisor, max_ctx, block_size, max_new
+    ck.run(
+        grid[0], grid[1], 1, _fl._raw_stream(index), ck.function, ck.packed_metadata, None, None, None,
+        block_offsets.data_ptr(), sid.data_ptr(), ctx.data_ptr(), base.data_ptr(), n.data_ptr(),
+        rows, out.read_lens.data_ptr(), out.query_pos.data_ptr(), out.store_pages.data_ptr(),
+        out.store_offsets.data_ptr(), out.new_ctx_len.data_ptr(), out.shift.data_ptr(), out.extents.data_ptr(),
+        ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], max_ctx, ints[7], ints[8], *consts,
+    )
+    return True
 
 
 __all__ = [
@@ -347,6 +631,7 @@ __all__ = [
     "decode_draft_block_table",
     "decode_draft_block_table_reference",
     "prepare_paged_latent",
+    "prepare_paged_latent_one_pass_reference",
     "prepare_paged_latent_reference",
     "rebase_block_table",
     "rebase_block_table_reference",

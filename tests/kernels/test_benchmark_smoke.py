@@ -1,0 +1,47 @@
+"""CPU smoke run of ``benchmarks/kernels.py``: every path runs, is checked against the reference, and is reported."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+try:  # benchmarks/ sits beside the package: on sys.path under `python -m pytest`, not under plain `pytest`
+    from benchmarks import kernels as bench
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from benchmarks import kernels as bench
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+def test_benchmark_quick_cpu_run_writes_json(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert bench.main(["--quick", "--device", "cpu", "--reps", "1", "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "one-pass µs" in printed and "two-step µs" in printed
+    result = json.loads(path.read_text())
+    assert result["device"] == "cpu"
+    assert result["cpu_impl"] == "triton"  # the suite sets TRITON_INTERPRET=1: the interpreted kernels ran
+    sizes = {(r["B"], r["M"]) for r in result["prepare"]}
+    assert sizes == {(b, m) for b in bench.CPU_BATCHES for m in bench.CPU_MAX_BLOCKS}
+    for r in result["prepare"]:
+        assert r["one_pass_us"] > 0 and r["two_step_us"] > 0 and r["eager_us"] > 0 and r["copy_us"] > 0
+        assert r["one_pass_graph_us"] is None  # no graphs on CPU: NaN is written as null
+        assert r["bytes"] > r["B"] * r["M"] * 4  # at least the read table written
+
+
+def test_benchmark_paths_catch_a_wrong_result():
+    """The check that guards every timing fails when a path returns a wrong field."""
+    paths = bench.Paths(bench.make_step(2, 16, "cpu"), impl="reference")
+    paths.check()
+    good = paths.eager
+    paths.eager = lambda: _off_by_one(good())
+    with pytest.raises(AssertionError):
+        paths.check()
+
+
+def _off_by_one(prep):
+    prep.read_lens = prep.read_lens + 1
+    return prep
