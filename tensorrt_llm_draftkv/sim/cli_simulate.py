@@ -34,9 +34,10 @@ GEOMETRY_FLAGS = {
     "device": "--device",
     "drafter_handoff": "--drafter-handoff",
     "handoff_form": "--handoff-form",
+    "block_reuse": "--block-reuse",
 }
 # Setup fields a run may override: a flag for one of them wins over the runs' own values.
-RUN_OVERRIDES = ("draft_window", "max_new_tokens", "drafter_slots")
+RUN_OVERRIDES = ("draft_window", "max_new_tokens", "drafter_slots", "block_reuse")
 RUN_NAMES = {"aggregated": "user-agg", "disaggregated": "user-disagg"}
 
 
@@ -102,6 +103,15 @@ def handoff_form(text: str):
         raise argparse.ArgumentTypeError(err.message) from None
 
 
+def block_reuse_mode(text: str) -> str:
+    from .scenario import ScenarioError, parse_block_reuse
+
+    try:
+        return parse_block_reuse(text)
+    except ScenarioError as err:
+        raise argparse.ArgumentTypeError(err.message) from None
+
+
 def _fail(prog: str, message: str) -> NoReturn:
     """Every simulate usage error: one line on stderr, exit status 2 (argparse's own status for usage errors)."""
     sys.stderr.write(f"{prog}: error: {message}\n")
@@ -133,6 +143,13 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         type=prompt_list,
         help="your own traffic instead of the scenario's runs: comma-separated prompt lengths in tokens, NxK for "
         "K copies of N (e.g. 131071,262144x4); runs named user-agg and/or user-disagg",
+    )
+    w.add_argument(
+        "--shared-prefix",
+        type=_int_at_least(0),
+        metavar="N",
+        help="with --prompts: every prompt starts with the same N-token text (its own seed) and the --prompts "
+        "lengths are the tails after it (prompt i = prefix + tail i); default 0",
     )
     w.add_argument(
         "--mode",
@@ -199,6 +216,13 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         metavar="{kv,hidden}",
         help=f"the drafter context as the drafter's K/V (kv) or the hidden states it projects (hidden) "
         f"(default {d.handoff_form.value})",
+    )
+    g.add_argument(
+        "--block-reuse",
+        type=block_reuse_mode,
+        metavar="{off,target,joint}",
+        help="block reuse (prefix caching): off, in the target pool only (target), or in both pools with the "
+        f"draft mirror adopting the prefix's drafter K/V (joint); history sizing only (default {d.block_reuse})",
     )
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write one record per row (its folder must exist)")
@@ -296,9 +320,17 @@ def build_scenario(args: argparse.Namespace):
         changes["trail_page"] = False
     setup = replace(scenario.setup, **changes)
     modes = ("aggregated", "disaggregated") if args.mode == "both" else (args.mode,)
+    if args.shared_prefix and not args.prompts:
+        raise UsageError("--shared-prefix", "needs --prompts (the tails after the prefix)")
     if args.prompts:
         concurrency = args.concurrency or min(len(args.prompts), setup.pool_requests)
-        runs = tuple(RunSpec(RUN_NAMES[mode], mode, args.prompts, concurrency) for mode in modes)
+        try:
+            runs = tuple(
+                RunSpec(RUN_NAMES[mode], mode, args.prompts, concurrency, shared_prefix=args.shared_prefix or 0)
+                for mode in modes
+            )
+        except ValueError as err:
+            raise UsageError("--shared-prefix", str(err)) from None
     else:
         runs = scenario.runs or DEFAULT_SCENARIO.runs  # a config file without runs: the default's
         overridden = {field: None for field in RUN_OVERRIDES if field in changes}
@@ -324,6 +356,8 @@ def build_scenario(args: argparse.Namespace):
         field = err.field.split(".")[-1]
         if field in GEOMETRY_FLAGS:
             raise UsageError(GEOMETRY_FLAGS[field], err.message) from None
+        if field == "shared_prefix" and args.prompts:
+            raise UsageError("--shared-prefix", err.message) from None
         raise UsageError("", str(err)) from None
     return scenario
 

@@ -22,14 +22,23 @@ and seeds the request's first slot with it (`DFlashSpecMetadata.seed_context`).
 A context made for another geometry is refused (the request does not run)
 unless the worker was told to fall back to the empty seed (`fallback=True`).
 
+With block reuse on the context worker (`block_reuse` `target` or `joint`), a
+prompt that hits a prefix an earlier prompt published is computed from the hit
+on; the generation worker learns the hit (`reused_tokens`) from the header. Under
+`target` reuse the context worker's drafter computed only `[reused_tokens, m)`,
+so the drafter context sent starts there (`drafter_lo`); under `joint` reuse its
+mirror reads the prefix's drafter K/V from the shared pages and the whole window
+is sent. The generation worker's pools do not reuse.
+
 Wire format per request: an int64 header `[request_id, prompt_len, num_tokens,
-num_groups, num_drafts, drafter_context, lo_0, ..]`, the token ids, K and V of
-positions `[lo_g, prompt_len)` for each target layer group g, the draft tokens
-(when num_drafts > 0), then, when drafter_context is 1, the drafter context: its
-geometry header (`DrafterContextGeometry.to_wire`, version first) and its
-tensors, shaped by that header (form `kv`: `[n_g, layers_g, 2, heads, head_dim]`
-per draft group; form `hidden`: one `[n, hidden_size]`). A header with
-request_id -1 ends the stream.
+num_groups, num_drafts, drafter_context, reused_tokens, drafter_lo, lo_0, ..]`,
+the token ids, K and V of positions `[lo_g, prompt_len)` for each target layer
+group g, the draft tokens (when num_drafts > 0), then, when drafter_context is
+1, the drafter context: its geometry header (`DrafterContextGeometry.to_wire`,
+version first) and its tensors, shaped by that header and clipped to start at
+`drafter_lo` or later (form `kv`: `[n_g, layers_g, 2, heads, head_dim]` per
+draft group; form `hidden`: one `[n, hidden_size]`). A header with request_id
+-1 ends the stream.
 """
 from __future__ import annotations
 
@@ -52,7 +61,8 @@ from ..speculative.handoff import (
 )
 
 MAX_GROUPS = 8
-_HEADER = 6 + MAX_GROUPS
+_FIXED = 8  # header ints before the per-group `lo_g`
+_HEADER = _FIXED + MAX_GROUPS
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,8 @@ class Transfer:
     drafts: list[int] = field(default_factory=list)
     drafter_geometry: DrafterContextGeometry | None = None
     drafter_payload: list[torch.Tensor] = field(default_factory=list)
+    reused_tokens: int = 0  # the context worker's prefix hit (block reuse)
+    drafter_lo: int = 0  # the drafter context sent starts at this position or later (see `clipped_ranges`)
 
     @property
     def drafter_bytes(self) -> int:
@@ -113,14 +125,28 @@ class Transfer:
         return sum(t.numel() * t.element_size() for t in self.drafter_payload)
 
 
-def payload_shapes(geometry: DrafterContextGeometry, prompt_len: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def clipped_ranges(geometry: DrafterContextGeometry, prompt_len: int, floor: int = 0) -> list[tuple[int, int]]:
+    """Per draft layer group, the absolute positions `[lo, m)` of drafter context sent: the geometry's
+    `ranges(m)` with each start raised to `floor` (a drafter that computed only `[floor, m)`)."""
+    return [(min(max(lo, floor), hi), hi) for lo, hi in geometry.ranges(prompt_len)]
+
+
+def clipped_hidden_range(geometry: DrafterContextGeometry, prompt_len: int, floor: int = 0) -> tuple[int, int]:
+    """`geometry.hidden_range(m)` with its start raised to `floor`."""
+    lo, hi = geometry.hidden_range(prompt_len)
+    return min(max(lo, floor), hi), hi
+
+
+def payload_shapes(
+    geometry: DrafterContextGeometry, prompt_len: int, floor: int = 0
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Shape and dtype of every drafter-context tensor a header announces, in wire order."""
     if geometry.form is HandoffForm.HIDDEN:
-        lo, hi = geometry.hidden_range(prompt_len)
+        lo, hi = clipped_hidden_range(geometry, prompt_len, floor)
         return [((hi - lo, geometry.hidden_size), geometry.hidden_dtype or geometry.dtype)]
     return [
         ((hi - lo, n, 2, geometry.num_kv_heads, geometry.head_dim), geometry.dtype)
-        for (lo, hi), n in zip(geometry.ranges(prompt_len), geometry.layers)
+        for (lo, hi), n in zip(clipped_ranges(geometry, prompt_len, floor), geometry.layers)
     ]
 
 
@@ -142,11 +168,11 @@ class Channel:
     def send(self, item: Transfer | None) -> None:
         header = torch.full((_HEADER,), -1, dtype=torch.long)
         if item is not None:
-            header[:6] = torch.tensor([
+            header[:_FIXED] = torch.tensor([
                 item.request_id, item.prompt_len, item.tokens.numel(), len(item.group_lo), len(item.drafts),
-                int(item.drafter_geometry is not None),
+                int(item.drafter_geometry is not None), item.reused_tokens, item.drafter_lo,
             ])
-            header[6 : 6 + len(item.group_lo)] = torch.tensor(item.group_lo)
+            header[_FIXED : _FIXED + len(item.group_lo)] = torch.tensor(item.group_lo)
         dist.send(header.to(self.wire), self.peer)
         if item is None:
             return
@@ -159,7 +185,8 @@ class Channel:
         if item.drafter_geometry is not None:
             geometry = item.drafter_geometry
             dist.send(torch.tensor(geometry.to_wire(), dtype=torch.long, device=self.wire), self.peer)
-            for t, (shape, dtype) in zip(item.drafter_payload, payload_shapes(geometry, item.prompt_len)):
+            shapes = payload_shapes(geometry, item.prompt_len, item.drafter_lo)
+            for t, (shape, dtype) in zip(item.drafter_payload, shapes):
                 if tuple(t.shape) != shape:
                     raise ValueError(
                         f"request {item.request_id}: drafter context tensor {tuple(t.shape)}, the header says {shape}"
@@ -172,8 +199,10 @@ class Channel:
         header = header.cpu()
         if int(header[0]) < 0:
             return None
-        rid, prompt_len, num_tokens, num_groups, num_drafts, has_ctx = (int(x) for x in header[:6])
-        group_lo = [int(x) for x in header[6 : 6 + num_groups]]
+        rid, prompt_len, num_tokens, num_groups, num_drafts, has_ctx, reused, drafter_lo = (
+            int(x) for x in header[:_FIXED]
+        )
+        group_lo = [int(x) for x in header[_FIXED : _FIXED + num_groups]]
         tokens = torch.empty(num_tokens, dtype=torch.long, device=self.wire)
         dist.recv(tokens, self.peer)
         keys, values = [], []
@@ -184,7 +213,7 @@ class Channel:
             dist.recv(v, self.peer)
             keys.append(k)
             values.append(v)
-        item = Transfer(rid, prompt_len, tokens, group_lo, keys, values)
+        item = Transfer(rid, prompt_len, tokens, group_lo, keys, values, reused_tokens=reused, drafter_lo=drafter_lo)
         if num_drafts > 0:
             drafts = torch.empty(num_drafts, dtype=torch.long, device=self.wire)
             dist.recv(drafts, self.peer)
@@ -196,7 +225,7 @@ class Channel:
             # and the receiver decides afterwards whether to take it.
             geometry = DrafterContextGeometry.from_wire(raw.cpu().tolist())
             item.drafter_geometry = geometry
-            for shape, dtype in payload_shapes(geometry, prompt_len):
+            for shape, dtype in payload_shapes(geometry, prompt_len, drafter_lo):
                 t = torch.empty(shape, dtype=dtype, device=self.wire)
                 dist.recv(t, self.peer)
                 item.drafter_payload.append(t)
@@ -241,13 +270,17 @@ def transfer_from(req: LlmRequest, executor) -> Transfer:
         keys.append(k)
         values.append(v)
     tokens = torch.tensor(req.tokens[: m + 1], dtype=torch.long)
-    item = Transfer(rid, m, tokens, group_lo, keys, values)
+    item = Transfer(rid, m, tokens, group_lo, keys, values, reused_tokens=req.reused_tokens)
     settings = handoff_settings(executor)
     if settings.mode is DrafterHandoff.WINDOW:
         speculator = executor.speculator
         geometry = speculator.handoff_geometry(settings.form)
         item.drafter_geometry = geometry
-        item.drafter_payload = [t.cpu() for t in speculator.export_context(req, executor.tokens[rid], geometry)]
+        # Without joint reuse the drafter computed only [reused_tokens, m): nothing below it exists to send.
+        if not getattr(executor.draft_manager, "block_reuse", False):
+            item.drafter_lo = req.reused_tokens
+        payload = speculator.export_context(req, executor.tokens[rid], geometry, floor=item.drafter_lo)
+        item.drafter_payload = [t.cpu() for t in payload]
         item.drafts = [int(t) for t in (req.py_draft_tokens or [])]
     return item
 
@@ -295,7 +328,7 @@ def admit_transfer(item: Transfer, executor) -> LlmRequest:
             executor.draft_manager.prepare_disagg_gen_init(req)
         if take_context:
             executor.speculator.import_context(req.py_request_id, item.prompt_len, item.drafter_geometry,
-                                               item.drafter_payload)
+                                               item.drafter_payload, floor=item.drafter_lo)
     except Exception:
         executor.target_manager.free_resources(req)
         if executor.draft_manager is not None and executor.draft_manager.has_cache(req.py_request_id):
@@ -312,6 +345,7 @@ def admit_transfer(item: Transfer, executor) -> LlmRequest:
         executor.stats.full_drafter_bytes += full
         executor.stats.drafter_bytes_sent += sent
         executor.stats.drafter_bytes_by_request[req.py_request_id] = (item.prompt_len, sent, full)
+    executor.stats.reused_tokens[req.py_request_id] = item.reused_tokens  # the context worker's prefix hit
     if take_context:
         # The context worker's drafter proposed these with the first token, from the same context.
         req.py_draft_tokens = list(item.drafts[: executor.scheduler.config.max_draft_len])
@@ -330,8 +364,7 @@ def _run_job(rank: int, build: Callable[[int], Any], prompts: list[torch.Tensor]
             def report(ex) -> None:
                 queue.put((rank, "progress", (ex.stats.steps, ex.stats.finished, foreign_accesses(ex))))
         if rank == 0:
-            _context_rank(result, prompts, report)
-            queue.put((rank, "result", None))
+            queue.put((rank, "result", _context_rank(result, prompts, report)))
         else:
             queue.put((rank, "result", _generation_rank(result, report)))
     except BaseException:  # report, never hang the parent
@@ -363,15 +396,19 @@ def _wire(executor, backend: str) -> Channel:
     )
 
 
-def _context_rank(executor, prompts: list[torch.Tensor], report: Callable[[Any], None] | None = None) -> None:
+def _context_rank(executor, prompts: list[torch.Tensor], report: Callable[[Any], None] | None = None):
+    """The context worker's run; returns its `RunStats` (outputs dropped: only the first tokens)."""
     channel = _wire(executor, dist.get_backend())
     executor.on_complete = lambda req, ex: channel.send(transfer_from(req, ex))
     for rid, prompt in enumerate(prompts):
         executor.add_request(rid, prompt)
     try:
-        executor.run(progress=None if report is None else lambda steps, finished: report(executor))
+        stats = executor.run(progress=None if report is None else lambda steps, finished: report(executor))
     finally:
         channel.send(None)
+    stats.outputs = {}
+    stats.draft_pool_occupancy = []
+    return stats
 
 
 def _generation_rank(executor, report: Callable[[Any], None] | None = None):
@@ -449,6 +486,8 @@ class RankPool:
             self.broken = True
             self.close(force=True)
             raise
+        if results[0] is not None and hasattr(results[1], "context_worker"):
+            results[1].context_worker = results[0]  # its pools' state at the end, its prefix checks
         return results[1]
 
     def _next(self, results: dict[int, Any]):

@@ -498,6 +498,11 @@ class DFlashDrafter:
     def num_groups(self) -> int:
         return len(self._groups)
 
+    def group_layers(self, gi: int) -> tuple[int, list[int]]:
+        """``(pool group index, drafter layers)`` of the drafter's ``gi``-th layer group."""
+        group = self._groups[gi]
+        return group.index, list(group.layers)
+
     def layer_storage(self, layer: int) -> tuple[int, torch.Tensor]:
         """``(pool index, storage [pages, 2, H, P, D])`` of one layer."""
         for g in self._groups:

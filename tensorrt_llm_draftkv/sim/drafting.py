@@ -23,6 +23,7 @@ from ..manager.rules import MirrorSizing
 from ..request import LlmRequest, ScheduledRequests
 from ..speculative import DFlashSpecMetadata, Seeding
 from ..speculative.handoff import DrafterContextGeometry, HandoffForm
+from .disagg import clipped_hidden_range, clipped_ranges
 from .drafter import DFlashDrafter, DFlashDrafterConfig
 from .features import TokenFeatures
 from .ownership import OwnershipChecker
@@ -118,6 +119,8 @@ class DFlashSpeculator:
         #: reseeds, after a slot loss, of requests whose first slot had a received context: nothing to draw on
         self.reseeds_without_handoff = 0
         self._handed_off: set[int] = set()  # requests whose first slot was seeded from a received context
+        #: (draft layer group, page) -> the next token its last position's K/V was stored with (block reuse)
+        self._page_end_next: dict[tuple[int, int], int] = {}
 
     def _count(self, name: str) -> int:
         return 0 if self.checker is None else getattr(self.checker, name, 0)
@@ -137,6 +140,11 @@ class DFlashSpeculator:
     @property
     def accounting_errors(self) -> int:
         return self._count("accounting_errors")
+
+    @property
+    def shared_page_writes(self) -> int:
+        """Drafter writes to pages it does not hold alone or that are published (block reuse)."""
+        return self._count("shared_page_writes")
 
     # -- per step --------------------------------------------------------------------
     def prepare(self, batch: ScheduledRequests) -> None:
@@ -201,21 +209,86 @@ class DFlashSpeculator:
 
     def store_context(self, req: LlmRequest, tokens: torch.Tensor, start: int, end: int) -> None:
         """A prefill chunk [start, end): tokens[start + 1 .. end] are known (the last may be the first output)."""
-        self._write_reused_prefix(req, tokens)
+        if self._real_joint_reuse(req):
+            self._declare_reused_prefix(req, tokens)
+        else:
+            self._write_reused_prefix(req, tokens)
         positions = torch.arange(start, end, device=tokens.device)
         self.drafter.store_context(req, positions, self._hidden(tokens, start, end))
+        if getattr(self.drafter.draft_manager, "block_reuse", False):
+            self._note_page_ends(req, tokens, start, end)
+
+    def _real_joint_reuse(self, req: LlmRequest) -> bool:
+        """The draft pool takes part in real block reuse and this request's mirror adopted a prefix hit."""
+        dm = self.drafter.draft_manager
+        return bool(
+            getattr(dm, "joint_kv_cache_reuse", False) and getattr(dm, "block_reuse", False) and req.reused_tokens
+        )
+
+    def _fresh_over_base_zero(self, req: LlmRequest) -> int:
+        """Context length of a slot placed this step past 0 over base 0 (it reads [0, L) from the pool), or 0."""
+        seed = self.meta.seeds.get(req.py_request_id)
+        if seed is None or seed.base_pages != 0:
+            return 0
+        return seed.ctx_len
 
     def _write_reused_prefix(self, req: LlmRequest, tokens: torch.Tensor) -> None:
-        """On a pool paired with the target's block reuse, a chunk placed past 0 over base 0 reads the
-        prefix's drafter K/V [0, ctx_len) from the pool. Nobody computed it here, so put it there
-        (what an earlier request sharing the prefix would have left), on the pages the mirror backs."""
-        if not getattr(self.drafter.draft_manager, "joint_kv_cache_reuse", False):
+        """A pool marked joint (`joint_kv_cache_reuse`) but without real block reuse: a chunk placed past 0
+        over base 0 reads the prefix's drafter K/V [0, ctx_len) from the pool. Nobody computed it here, so
+        put it there (what an earlier request sharing the prefix would have left), on the pages the mirror
+        backs. Never under real block reuse (`_declare_reused_prefix`): those pages are shared, not writable."""
+        if not getattr(self.drafter.draft_manager, "joint_kv_cache_reuse", False) or self._real_joint_reuse(req):
             return
-        seed = self.meta.seeds.get(req.py_request_id)
-        if seed is None or seed.base_pages != 0 or seed.ctx_len == 0:
+        ctx_len = self._fresh_over_base_zero(req)
+        if ctx_len == 0:
             return
-        positions = torch.arange(0, seed.ctx_len, device=tokens.device)
-        self.drafter.write_reused_prefix(req, positions, self._hidden(tokens, 0, seed.ctx_len))
+        positions = torch.arange(0, ctx_len, device=tokens.device)
+        self.drafter.write_reused_prefix(req, positions, self._hidden(tokens, 0, ctx_len))
+
+    def _note_page_ends(self, req: LlmRequest, tokens: torch.Tensor, start: int, end: int) -> None:
+        """Remember, per (layer group, page), the next token the drafter's K/V of the page's last position was
+        stored with. That one position of a published page depends on a token past the page (the toy hidden
+        state carries the next token), so a later request that reuses the page finds the publisher's."""
+        P = self.meta.tokens_per_block
+        first_end = (start // P + 1) * P - 1  # the first page-end position >= start
+        if first_end >= end:
+            return
+        cache = self.draft_manager.get_cache(req.py_request_id)
+        for g in range(len(self.draft_manager.layer_groups)):
+            row = cache.block_row(g)
+            for pos in range(first_end, end, P):
+                ordinal = pos // P
+                if ordinal < len(row) and row[ordinal] >= 0:
+                    self._page_end_next[(g, row[ordinal])] = int(tokens[pos + 1])
+
+    def _declare_reused_prefix(self, req: LlmRequest, tokens: torch.Tensor) -> None:
+        """Real joint block reuse: the mirror adopted published pages holding the drafter's K/V of the prefix
+        [0, reused_tokens), written by the request that first computed it. Nothing is written here (the pages
+        are shared); the checker learns the values they hold, for every ordinal the mirror backs below the
+        slot's start: the K/V of this prompt's tokens, except at a page's last position, whose next token is
+        the one its writer stored it with (`_note_page_ends`; the publisher's on a reused page)."""
+        ctx_len = self._fresh_over_base_zero(req)
+        if ctx_len == 0 or self.checker is None:
+            return
+        # ctx_len is the hit at the first chunk; a slot lost during prefill and placed afresh at a later chunk
+        # start also reads [hit, ctx_len), which this request stored itself on pages it still holds.
+        P = self.meta.tokens_per_block
+        cache = self.draft_manager.get_cache(req.py_request_id)
+        for gi in range(self.drafter.num_groups):
+            row = torch.tensor(cache.block_row(gi)[: ctx_len // P], dtype=torch.int64)
+            ordinals = (row >= 0).nonzero().reshape(-1)
+            if ordinals.numel() == 0:
+                continue
+            positions = (ordinals[:, None] * P + torch.arange(P)[None, :]).reshape(-1).to(tokens.device)
+            nxt = tokens[positions + 1].clone()
+            ends = ((positions + 1) % P == 0).nonzero().reshape(-1)
+            for i in ends.tolist():
+                page = int(row[int(positions[i]) // P])
+                nxt[i] = self._page_end_next.get((gi, page), int(nxt[i]))
+            hidden = self.features.hidden_states(tokens[: ctx_len + 1], positions, nxt)
+            kv = self.drafter.project(gi, hidden, positions)
+            group = self.drafter.group_layers(gi)
+            self.checker.mark_reused(req.py_request_id, group[0], group[1], positions.to(self.drafter.device), kv)
 
     def store_verified(
         self, req: LlmRequest, tokens: torch.Tensor, preds: Sequence[int], keep: int, *, optimistic: bool = False
@@ -267,24 +340,29 @@ class DFlashSpeculator:
             hidden_dtype=self.features.E.dtype,
         )
 
-    def export_context(self, req: LlmRequest, tokens: torch.Tensor, geometry: DrafterContextGeometry) -> list[torch.Tensor]:
+    def export_context(
+        self, req: LlmRequest, tokens: torch.Tensor, geometry: DrafterContextGeometry, *, floor: int = 0
+    ) -> list[torch.Tensor]:
         """Context worker, prompt computed (pages still held): the drafter context the generation worker can read.
 
         Form ``kv``: per layer group, the K/V this drafter stored for positions
         ``geometry.group_range(g, m)``, read from the request's own pages. Form
         ``hidden``: one ``[n, F]`` tensor of the hidden states of ``geometry.hidden_range(m)``.
+        ``floor``: every range starts there or later (a drafter that computed only ``[floor, m)``, after a
+        prefix hit without joint reuse).
         """
         m = req.prompt_len
         if geometry.form is HandoffForm.HIDDEN:
-            lo, hi = geometry.hidden_range(m)
+            lo, hi = clipped_hidden_range(geometry, m, floor)
             return [self._hidden(tokens, lo, hi)]
         return [
             self.drafter.read_stored(req.py_request_id, gi, lo, hi)
-            for gi, (lo, hi) in enumerate(geometry.ranges(m))
+            for gi, (lo, hi) in enumerate(clipped_ranges(geometry, m, floor))
         ]
 
     def import_context(
-        self, request_id: int, prompt_len: int, geometry: DrafterContextGeometry, payload: Sequence[torch.Tensor]
+        self, request_id: int, prompt_len: int, geometry: DrafterContextGeometry, payload: Sequence[torch.Tensor],
+        *, floor: int = 0,
     ) -> tuple[int, int]:
         """Generation worker, after ``prepare_disagg_gen_init``: write a received drafter context and seed the slot.
 
@@ -293,13 +371,14 @@ class DFlashSpeculator:
         first slot then starts with context ``[lo, m)``, ``lo`` the first received
         position of every group. Returns ``(lo, m)``. The caller has checked the
         geometry; a tensor of the wrong shape or an unbacked page raises
-        ``ValueError`` before the slot is seeded.
+        ``ValueError`` before the slot is seeded. ``floor``: the context was
+        sent from there on (see ``export_context``); the slot starts there.
         """
         m = prompt_len
-        ranges = geometry.ranges(m)
+        ranges = clipped_ranges(geometry, m, floor)
         if geometry.form is HandoffForm.HIDDEN:
             (hidden,) = payload
-            hlo, hi = geometry.hidden_range(m)
+            hlo, hi = clipped_hidden_range(geometry, m, floor)
             if tuple(hidden.shape) != (hi - hlo, self.features.feature_dim):
                 raise ValueError(
                     f"request {request_id}: received hidden states {tuple(hidden.shape)}, expected "
@@ -326,7 +405,7 @@ class DFlashSpeculator:
             self.drafter.mirror_pages(request_id, gi, lo, hi, "writing a received drafter context")
         for gi, ((lo, _), kv) in enumerate(zip(ranges, kvs)):
             self.drafter.write_received(request_id, gi, lo, kv)
-        lo = geometry.seed_start(m)
+        lo = min(max(geometry.seed_start(m), floor), m)
         self.meta.seed_context(request_id, lo, m, self.draft_manager)
         return lo, m
 

@@ -220,6 +220,9 @@ class Executor:
     def finish(self) -> RunStats:
         if self._started is not None:
             self.stats.wall_s = time.perf_counter() - self._started
+        self.stats.reused_positions_checked = getattr(self.verifier, "reused_positions_checked", 0)
+        if not self.scheduler.has_work():
+            self.check_pools_idle()
         if self.speculator is not None:
             for name in SPECULATOR_COUNTERS:
                 setattr(self.stats, name, getattr(self.speculator, name, 0))
@@ -323,6 +326,8 @@ class Executor:
         tokens = self.tokens[rid]
         view = req.target_view
         start, end = view.position, view.position + view.chunk_size
+        if start == req.reused_tokens:  # its first chunk: the prefix hit (0 without one) is known now
+            self.stats.reused_tokens[rid] = req.reused_tokens
         first = self.verifier.context(req, tokens, start, end)
         if first is not None:
             tokens[req.prompt_len] = first
@@ -371,6 +376,30 @@ class Executor:
         self.scheduler.retire(req)
         del self.tokens[rid]
         self.stats.finished += 1
+
+    def check_pools_idle(self) -> int:
+        """Every request finished: every page of every pool (target and draft) must be free or cached-free.
+
+        Sets `stats.pages_held_at_end` (distinct pages still held, 0 when clean) and
+        `stats.cached_free_pages_at_end` (published pages kept for later hits); a page still held
+        also becomes the run's first error, naming the pool and the counts. Returns the pages held.
+        """
+        held = cached = 0
+        for manager in (self.target_manager, self.draft_manager):
+            if manager is None:
+                continue
+            for g, pool in enumerate(manager.pools()):
+                pool.check_accounting()
+                if pool.num_held:
+                    self.stats.first_error = self.stats.first_error or (
+                        f"{manager.error_label} pool {g}: {pool.num_held} of {pool.total} pages still held after "
+                        f"every request finished ({pool.num_cached_free} cached-free, {pool.num_plain_free} free)"
+                    )
+                held += pool.num_held
+                cached += pool.num_cached_free
+        self.stats.pages_held_at_end = held
+        self.stats.cached_free_pages_at_end = cached
+        return held
 
     def _sample_occupancy(self) -> None:
         if self.draft_manager is None:

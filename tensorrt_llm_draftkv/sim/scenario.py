@@ -20,6 +20,10 @@ from ..speculative.handoff import DrafterHandoff, HandoffForm
 
 MODES = ("aggregated", "disaggregated")
 SIZINGS = ("history", "legacy")
+#: Block reuse (prefix caching, docs/block_reuse.md): `off`; `target`: the target pool reuses prefix pages,
+#: the drafter computes its own context from the hit on; `joint`: both pools reuse, the draft mirror adopts
+#: the prefix pages holding the drafter's K/V (`joint_kv_cache_reuse` + `pair_joint_reuse`).
+BLOCK_REUSE = ("off", "target", "joint")
 #: The drafters the simulator's toy DFlash-style drafter stands in for.
 SIM_DRAFTERS = (SpeculativeDecodingMode.DFLASH, SpeculativeDecodingMode.DSPARK)
 #: More requests than this in one run is a typo (`1x100000000`), not a workload.
@@ -81,6 +85,13 @@ def parse_handoff_form(value: Any, name: str = "handoff_form") -> HandoffForm:
         raise ScenarioError(name, f"must be {known}, got {value!r}") from None
 
 
+def parse_block_reuse(value: Any, name: str = "block_reuse") -> str:
+    """`off`, `target` or `joint` (see BLOCK_REUSE)."""
+    if value not in BLOCK_REUSE:
+        raise ScenarioError(name, f"must be {', '.join(BLOCK_REUSE[:-1])} or {BLOCK_REUSE[-1]}, got {value!r}")
+    return value
+
+
 def parse_prompt_list(text: str) -> tuple[int, ...]:
     """`131071,262144x4` -> five prompt lengths: comma-separated token counts, `NxK` for K copies of N.
 
@@ -118,7 +129,9 @@ class SimSetup:
     A window of `None` is full attention. `drafter_handoff`: what a
     disaggregated context worker sends for the drafter under `history` sizing
     (`window`, the default, or `none`; `legacy` never sends one), in
-    `handoff_form` (`kv` or `hidden`).
+    `handoff_form` (`kv` or `hidden`). `block_reuse`: `off` (default),
+    `target` or `joint` (see `BLOCK_REUSE`); reuse runs run under `history`
+    sizing only.
     """
 
     drafter: SpeculativeDecodingMode = SpeculativeDecodingMode.DFLASH
@@ -139,6 +152,7 @@ class SimSetup:
     max_seq_len: int = 524288 + 1024
     drafter_handoff: DrafterHandoff = DrafterHandoff.WINDOW
     handoff_form: HandoffForm = HandoffForm.KV
+    block_reuse: str = "off"
 
     @property
     def block_size(self) -> int:
@@ -173,6 +187,7 @@ class SimSetup:
             raise ScenarioError("drafter_handoff", f"must be window or none, got {self.drafter_handoff!r}")
         if not isinstance(self.handoff_form, HandoffForm):
             raise ScenarioError("handoff_form", f"must be kv or hidden, got {self.handoff_form!r}")
+        parse_block_reuse(self.block_reuse)
         for name, minimum in self._MINIMUMS.items():
             _int(getattr(self, name), name, minimum)
         for name in ("target_window", "draft_window"):
@@ -207,6 +222,8 @@ class SimSetup:
                 value = parse_handoff(value)
             elif key == "handoff_form":
                 value = parse_handoff_form(value)
+            elif key == "block_reuse":
+                value = parse_block_reuse(value)
             elif key in ("target_window", "draft_window"):
                 value = _window(value, key)
             changes[key] = value
@@ -233,10 +250,25 @@ class RunSpec:
     # The sizings this run is shown under (None: every sizing asked for); a run that only exists as
     # the aggregated twin of a disaggregated run, say, need not run under legacy.
     sizings: tuple[str, ...] | None = None
+    # Tokens every prompt starts with (one common text, its own seed): prompt i is then the prefix followed
+    # by a tail of `prompts[i]` tokens, `shared_prefix + prompts[i]` tokens in all. 0: no common prefix.
+    shared_prefix: int = 0
+    block_reuse: str | None = None  # overrides the setup's for this run (`off`, `target`, `joint`)
+
+    @property
+    def prompt_lengths(self) -> tuple[int, ...]:
+        """Whole prompt lengths in tokens: the shared prefix plus each tail."""
+        return tuple(self.shared_prefix + n for n in self.prompts)
+
+    def prompt_keys(self) -> list[tuple[int, int, int]]:
+        """`(shared prefix, tail seed, tail length)` per request: what identifies a prompt's text."""
+        return [(self.shared_prefix, seed, n) for seed, n in zip(prompt_seeds(self.prompts), self.prompts)]
 
     def setup_for(self, setup: SimSetup) -> SimSetup:
         """The setup this run uses: the scenario's, with this run's overrides."""
         changes: dict[str, Any] = {}
+        if self.block_reuse is not None:
+            changes["block_reuse"] = self.block_reuse
         if self.draft_window is not None:
             changes["draft_window"] = self.draft_window or None
         if self.max_new_tokens is not None:
@@ -252,9 +284,17 @@ class RunSpec:
             raise ValueError(f"run {self.name}: prompts must be positive token counts, got {self.prompts}")
         if self.sizings is not None and (not self.sizings or set(self.sizings) - set(SIZINGS)):
             raise ValueError(f"run {self.name}: sizings must be a non-empty subset of {SIZINGS}, got {self.sizings}")
+        if isinstance(self.shared_prefix, bool) or not isinstance(self.shared_prefix, int) or self.shared_prefix < 0:
+            raise ValueError(f"run {self.name}: shared_prefix must be a token count >= 0, got {self.shared_prefix!r}")
+        if self.block_reuse is not None and self.block_reuse not in BLOCK_REUSE:
+            raise ValueError(f"run {self.name}: block_reuse must be one of {BLOCK_REUSE}, got {self.block_reuse!r}")
 
-    def runs_under(self, sizing: str) -> bool:
-        """Is this run shown under `sizing` (`history` or `legacy`)?"""
+    def runs_under(self, sizing: str, setup: SimSetup | None = None) -> bool:
+        """Is this run shown under `sizing` (`history` or `legacy`)? With block reuse on (in this run or in
+        `setup`) only under `history`: the legacy rules predate block reuse."""
+        reuse = self.block_reuse if self.block_reuse is not None else (setup.block_reuse if setup else "off")
+        if reuse != "off" and sizing != "history":
+            return False
         return self.sizings is None or sizing in self.sizings
 
     def to_dict(self) -> dict[str, Any]:
@@ -265,7 +305,9 @@ class RunSpec:
             "prompts": list(self.prompts),
             "max_concurrency": self.max_concurrency,
         }
-        for key in ("drafter_slots", "draft_window", "max_new_tokens"):
+        if self.shared_prefix:
+            out["shared_prefix"] = self.shared_prefix
+        for key in ("drafter_slots", "draft_window", "max_new_tokens", "block_reuse"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.reserve_context_row:
@@ -314,6 +356,10 @@ class RunSpec:
                 optional[key] = _int(data[key], f"{where}.{key}")
         if data.get("draft_window") is not None:
             optional["draft_window"] = _int(data["draft_window"], f"{where}.draft_window", minimum=0)
+        if data.get("shared_prefix") is not None:
+            optional["shared_prefix"] = _int(data["shared_prefix"], f"{where}.shared_prefix", minimum=0)
+        if data.get("block_reuse") is not None:
+            optional["block_reuse"] = parse_block_reuse(data["block_reuse"], f"{where}.block_reuse")
         if "reserve_context_row" in data:
             if not isinstance(data["reserve_context_row"], bool):
                 raise ScenarioError(f"{where}.reserve_context_row", f"must be true or false, got {data['reserve_context_row']!r}")
@@ -360,14 +406,27 @@ class Scenario:
             if spec.draft_window is not None:
                 _int(spec.draft_window, f"{where}.draft_window", minimum=0)
             setup = spec.setup_for(self.setup)
+            if spec.shared_prefix and len(spec.prompts) < 2:
+                raise ScenarioError(
+                    f"{where}.shared_prefix",
+                    f"run {spec.name!r} shares a {spec.shared_prefix}-token prefix among {len(spec.prompts)} "
+                    "prompt; a shared prefix needs >= 2 prompts (the tails)",
+                )
+            if spec.block_reuse not in (None, "off") and spec.sizings is not None and "history" not in spec.sizings:
+                raise ScenarioError(
+                    f"{where}.sizings",
+                    f"run {spec.name!r} has block_reuse {spec.block_reuse!r}, which runs under history sizing only; "
+                    f"its sizings are {list(spec.sizings)}",
+                )
             # A request's tokens, its last step's drafts and the drafter's block must fit
             # in the block table (max_seq_len tokens wide).
-            need = max(spec.prompts) + setup.max_new_tokens + setup.max_draft_len + setup.draft_extra_tokens
+            longest = max(spec.prompt_lengths)
+            need = longest + setup.max_new_tokens + setup.max_draft_len + setup.draft_extra_tokens
             if need > setup.max_seq_len:
                 raise ScenarioError(
                     "max_seq_len",
                     f"{setup.max_seq_len} tokens cannot hold run {spec.name!r}: its longest prompt "
-                    f"({max(spec.prompts)}) + {setup.max_new_tokens} new tokens + {setup.max_draft_len} drafts "
+                    f"({longest}) + {setup.max_new_tokens} new tokens + {setup.max_draft_len} drafts "
                     f"+ {setup.draft_extra_tokens} drafter tokens = {need} (raise max_seq_len or shorten the run)",
                 )
 

@@ -8,6 +8,11 @@ slots are evicted and reseeded). A chunk is never cut short by the budget (only
 the prompt's last chunk is shorter), so every prefill chunk starts at a
 multiple of the chunk size: the alignment the estimator's `chunk_alignment`
 relies on. A request whose next chunk does not fit waits for the next step.
+
+With `serial_prefill` (block reuse on), a prompt that has not started waits while
+an earlier request is still in prefill: the earlier one publishes its prompt's
+pages chunk by chunk, so a later request with the same prefix finds all of them
+when its own prefix lookup runs (at its first scheduled step).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ class SchedulerConfig:
     chunk_size: int = 8192
     max_draft_len: int = 7
     reserve_context_row: bool = False
+    serial_prefill: bool = False  # a fresh prompt waits while an earlier one is in prefill (block reuse)
 
     def __post_init__(self) -> None:
         for name in ("max_num_tokens", "max_num_requests", "max_batch_size", "chunk_size"):
@@ -73,8 +79,14 @@ class Scheduler:
                 break
             batch.generation_requests.append(req)
             budget -= cost
+        prefill_ahead = False  # an earlier request is still in prefill
         for req in self.active:
-            if req.state != LlmRequestState.CONTEXT_INIT or batch.batch_size >= self.config.max_batch_size:
+            if req.state != LlmRequestState.CONTEXT_INIT:
+                continue
+            fresh = req.target_view.position == 0 and req.reused_tokens == 0
+            held = self.config.serial_prefill and prefill_ahead and fresh
+            prefill_ahead = True
+            if held or batch.batch_size >= self.config.max_batch_size:
                 continue
             view = req.target_view
             chunk = min(self.config.chunk_size, req.prompt_len - view.position)

@@ -26,7 +26,7 @@ from ..speculative.handoff import DrafterHandoff
 from .disagg import NO_HANDOFF, HandoffSettings, RankPool, foreign_accesses, run_disaggregated
 from .drafting import build_speculator
 from .engine import Executor, RunStats
-from .prompts import phrase_prompt
+from .prompts import shared_prefix_prompts
 from .scenario import RunSpec, Scenario, SimSetup, prompt_seeds
 from .scheduler import Scheduler, SchedulerConfig
 from .target_model import TinyTarget, TinyTargetConfig
@@ -66,6 +66,20 @@ class RunResult:
     # The aggregated run over exactly the same prompts and geometry, and this run's acceptance over its.
     paired_run: str | None = None
     acceptance_vs_paired: float | None = None
+    # Block reuse: the mode, the common prefix of the prompts, each request's prefix hit (request order;
+    # on the context worker when disaggregated) and their sum, the prompt tokens no worker computed.
+    block_reuse: str = "off"
+    shared_prefix: int = 0
+    reused_tokens: list[int] = field(default_factory=list)
+    prefill_tokens_saved: int = 0
+    # Pages still held in any pool once every request finished (-1: not every request finished) and the
+    # cached-free ones among the rest; the run without reuse over the same prompts and its acceptance ratio.
+    pages_held_at_end: int = -1
+    cached_free_pages_at_end: int = 0
+    shared_page_writes: int = 0  # drafter writes to shared or published pages (must stay 0)
+    reused_positions_checked: int = 0  # target K/V positions on reused pages checked against the tokens
+    reuse_paired_run: str | None = None
+    acceptance_vs_no_reuse: float | None = None
     draft_pool_occupancy: list[int] = field(default_factory=list, repr=False)
     # The run's own geometry (the scenario's setup with the run's overrides) and its
     # in-flight limit; when unset, `to_json(scenario)` looks the run up by name.
@@ -132,8 +146,15 @@ def build_executor(
     *,
     reserve_context_row: bool = False,
 ) -> Executor:
-    """`sizing=None` builds the target-only reference (no draft pool, no drafter)."""
+    """`sizing=None` builds the target-only reference (no draft pool, no drafter).
+
+    `setup.block_reuse`: `target` turns block reuse on in the target pool, `joint` in both pools too, with
+    the draft manager's `joint_kv_cache_reuse` and `pair_joint_reuse`; either way a fresh prompt waits for
+    an earlier one's prefill to finish (`SchedulerConfig.serial_prefill`), so its lookup sees every page.
+    """
     device = setup.device
+    reuse = setup.block_reuse != "off"
+    joint = setup.block_reuse == "joint" and sizing is not None
     target_cfg = KVPoolConfig(
         (LayerGroupConfig(1, window=setup.target_window),),
         pages_per_group=(setup.pool_requests * target_pages_per_request(setup),),
@@ -143,6 +164,7 @@ def build_executor(
         dtype=torch.float64,
         device=device,
         max_seq_len=setup.max_seq_len,
+        enable_block_reuse=reuse,
     )
     target = KVCacheManagerV2(target_cfg, max_draft_len=setup.max_draft_len)
     model = TinyTarget(TinyTargetConfig(vocab_size=setup.vocab_size, dim=setup.target_dim), target)
@@ -154,6 +176,7 @@ def build_executor(
             chunk_size=setup.chunk,
             max_draft_len=setup.max_draft_len if sizing is not None else 0,
             reserve_context_row=reserve_context_row,
+            serial_prefill=reuse,
         )
     )
     draft = speculator = None
@@ -168,6 +191,7 @@ def build_executor(
             dtype=torch.float32,
             device=device,
             max_seq_len=setup.max_seq_len,
+            enable_block_reuse=joint,
         )
         draft = DraftKVCacheManagerV2(
             draft_cfg,
@@ -176,7 +200,10 @@ def build_executor(
             num_extra_kv_tokens=setup.draft_extra_tokens,
             sizing=sizing,
             trail_page=setup.trail_page,
+            joint_kv_cache_reuse=joint,
         )
+        if joint:
+            target.pair_joint_reuse(draft)
         speculator = build_speculator(setup, draft, sizing, drafter_slots)
     return Executor(
         target_manager=target,
@@ -188,25 +215,42 @@ def build_executor(
     )
 
 
-def _prompts(setup: SimSetup, lengths: tuple[int, ...]) -> list[torch.Tensor]:
-    return [phrase_prompt(seed, n, vocab_size=setup.vocab_size) for seed, n in zip(prompt_seeds(lengths), lengths)]
+def _prompts(setup: SimSetup, spec: RunSpec | tuple[int, ...]) -> list[torch.Tensor]:
+    """A run's prompts (the shared prefix, if any, followed by each tail), or plain prompts of these lengths."""
+    if isinstance(spec, RunSpec):
+        return prompts_for(setup, spec.prompt_keys())
+    return prompts_for(setup, list(zip(prompt_seeds(spec), spec)))
+
+
+#: `(shared prefix tokens, tail seed, tail tokens)` (see `RunSpec.prompt_keys`), or `(seed, tokens)` for a
+#: prompt without a shared prefix.
+PromptKey = tuple[int, ...]
+
+
+def prompts_for(setup: SimSetup, keys: list[PromptKey]) -> list[torch.Tensor]:
+    """Prompt token ids for prompt keys, in order."""
+    out: list[torch.Tensor] = []
+    for key in keys:
+        prefix, seed, n = key if len(key) == 3 else (0, *key)
+        out.extend(shared_prefix_prompts(prefix, [n], [seed], vocab_size=setup.vocab_size))
+    return out
 
 
 def target_only_outputs(
-    setup: SimSetup, keys: list[tuple[int, int]], *, progress: Callable[[int, int], None] | None = None
-) -> dict[tuple[int, int], list[int]]:
-    """Greedy target-only outputs for (prompt seed, length) keys: the reference every run must equal.
+    setup: SimSetup, keys: list[PromptKey], *, progress: Callable[[int, int], None] | None = None
+) -> dict[PromptKey, list[int]]:
+    """Greedy target-only outputs for prompt keys (`RunSpec.prompt_keys`): the reference every run must equal.
 
-    `progress(steps, finished)` is called after every step."""
-    executor = build_executor(setup, None, max_concurrency=4, drafter_slots=1)
-    for rid, (seed, n) in enumerate(keys):
-        executor.add_request(rid, phrase_prompt(seed, n, vocab_size=setup.vocab_size))
+    Always without block reuse. `progress(steps, finished)` is called after every step."""
+    executor = build_executor(replace(setup, block_reuse="off"), None, max_concurrency=4, drafter_slots=1)
+    for rid, prompt in enumerate(prompts_for(setup, keys)):
+        executor.add_request(rid, prompt)
     stats = executor.run(progress=progress)
     return {keys[rid]: out for rid, out in stats.outputs.items()}
 
 
 def warmup_tokens(setup: SimSetup, prompts: tuple[int, ...]) -> int:
-    """Warmup dummies as long as the longest request will get."""
+    """Warmup dummies as long as the longest request will get (`prompts`: whole prompt lengths)."""
     return max(prompts) + setup.max_new_tokens
 
 
@@ -303,7 +347,7 @@ def run_one(
     """One run. `progress`: draw a bar on stderr (True), or a `_Progress` to report to (bar and trace);
     `ranks`: rank processes kept across disaggregated runs (else spawned for this run)."""
     setup = spec.setup_for(setup)
-    prompts = _prompts(setup, spec.prompts)
+    prompts = _prompts(setup, spec)
     slots = spec.drafter_slots or setup.drafter_slots
     bar = progress
     if not isinstance(bar, _Progress):
@@ -313,7 +357,7 @@ def run_one(
             executor = build_executor(
                 setup, sizing, spec.max_concurrency, slots, reserve_context_row=spec.reserve_context_row
             )
-            executor.warmup(num_dummies=1, token_num=warmup_tokens(setup, spec.prompts))
+            executor.warmup(num_dummies=1, token_num=warmup_tokens(setup, spec.prompt_lengths))
             for rid, prompt in enumerate(prompts):
                 executor.add_request(rid, prompt)
             stats = executor.run(progress=lambda steps, finished: bar(steps, finished, foreign_accesses(executor)))
@@ -324,7 +368,7 @@ def run_one(
                 sizing=sizing,
                 max_concurrency=spec.max_concurrency,
                 slots=slots,
-                warmup=warmup_tokens(setup, spec.prompts),
+                warmup=warmup_tokens(setup, spec.prompt_lengths),
             )
             stats = run_disaggregated(build, prompts, progress=bar.rank, pool=ranks)
     finally:
@@ -338,7 +382,7 @@ def simulate(scenario: Scenario, sizings: list[MirrorSizing], *, progress: bool 
     references: dict[int, dict] = {}
     for new_tokens in dict.fromkeys(spec.setup_for(scenario.setup).max_new_tokens for spec in scenario.runs):
         runs = [s for s in scenario.runs if s.setup_for(scenario.setup).max_new_tokens == new_tokens]
-        keys = list(dict.fromkeys((seed, n) for s in runs for seed, n in zip(prompt_seeds(s.prompts), s.prompts)))
+        keys = list(dict.fromkeys(key for s in runs for key in s.prompt_keys()))
         bar = _Progress(f"target-only reference ({new_tokens} new tokens)", len(keys), progress)
         try:
             references[new_tokens] = target_only_outputs(
@@ -363,32 +407,32 @@ def _run_all(scenario: Scenario, sizings, references, progress, ranks) -> list[R
         setup = spec.setup_for(scenario.setup)
         reference = references[setup.max_new_tokens]
         for sizing in sizings:
-            if not spec.runs_under(sizing.value):
+            if not spec.runs_under(sizing.value, scenario.setup):
                 continue
             bar = _Progress(f"{spec.name} ({sizing.value})", len(spec.prompts), progress)
             try:
-                stats, seeds = run_one(scenario.setup, spec, sizing, progress=bar, ranks=ranks)
+                stats, _ = run_one(scenario.setup, spec, sizing, progress=bar, ranks=ranks)
             finally:
                 bar.close()
+            keys = spec.prompt_keys()
+            ctx = stats.context_worker or RunStats()  # disaggregated: the context worker's checker counts too
             matches = None
             if stats.outputs:
-                matches = all(
-                    reference.get((seeds[rid], spec.prompts[rid])) == out for rid, out in stats.outputs.items()
-                )
+                matches = all(reference.get(keys[rid]) == out for rid, out in stats.outputs.items())
             results.append(
                 RunResult(
                     name=spec.name,
                     sizing=sizing.value,
                     mode=spec.mode,
-                    prompt_tokens=list(spec.prompts),
+                    prompt_tokens=list(spec.prompt_lengths),
                     finished=stats.finished,
                     resize_failures=stats.resize_failures,
                     refused_requests=stats.refused_requests,
                     first_error=stats.first_error,
-                    foreign_page_accesses=stats.foreign_page_accesses,
-                    stale_reads=stats.stale_reads,
-                    unbacked_accesses=stats.unbacked_accesses,
-                    accounting_errors=stats.accounting_errors,
+                    foreign_page_accesses=stats.foreign_page_accesses + ctx.foreign_page_accesses,
+                    stale_reads=stats.stale_reads + ctx.stale_reads,
+                    unbacked_accesses=stats.unbacked_accesses + ctx.unbacked_accesses,
+                    accounting_errors=stats.accounting_errors + ctx.accounting_errors,
                     slot_reseeds=stats.slot_reseeds,
                     max_seed_lag_tokens=stats.max_seed_lag_tokens,
                     peak_draft_pages_per_request=stats.peak_draft_pages_per_request,
@@ -406,6 +450,16 @@ def _run_all(scenario: Scenario, sizings, references, progress, ranks) -> list[R
                     handoff_seeds=stats.handoff_seeds,
                     reseeds_without_handoff=stats.reseeds_without_handoff,
                     handoff_fallbacks=stats.handoff_fallbacks,
+                    block_reuse=setup.block_reuse,
+                    shared_prefix=spec.shared_prefix,
+                    reused_tokens=[stats.reused_tokens.get(rid, 0) for rid in range(len(spec.prompts))],
+                    prefill_tokens_saved=stats.prefill_tokens_saved,
+                    pages_held_at_end=stats.pages_held_by_both,
+                    shared_page_writes=stats.shared_page_writes + ctx.shared_page_writes,
+                    reused_positions_checked=stats.reused_positions_checked + ctx.reused_positions_checked,
+                    cached_free_pages_at_end=stats.cached_free_pages_at_end + (
+                        stats.context_worker.cached_free_pages_at_end if stats.context_worker else 0
+                    ),
                     draft_pool_occupancy=stats.draft_pool_occupancy,
                     setup=setup,
                     max_concurrency=spec.max_concurrency,
@@ -413,6 +467,7 @@ def _run_all(scenario: Scenario, sizings, references, progress, ranks) -> list[R
                 )
             )
     pair_runs(results)
+    pair_reuse_runs(results)
     return results
 
 
@@ -431,19 +486,45 @@ def pair_runs(results: list[RunResult]) -> None:
             continue
         for a in results:
             same_geometry = a.setup is None or r.setup is None or geometry(a.setup) == geometry(r.setup)
-            if a.mode == "aggregated" and a.sizing == r.sizing and a.prompt_tokens == r.prompt_tokens and same_geometry:
+            if (
+                a.mode == "aggregated" and a.sizing == r.sizing and a.prompt_tokens == r.prompt_tokens
+                and a.shared_prefix == r.shared_prefix and a.block_reuse == r.block_reuse and same_geometry
+            ):
                 r.paired_run = a.name
                 if a.acceptance_length > 0 and r.finished:
                     r.acceptance_vs_paired = round(r.acceptance_length / a.acceptance_length, 3)
                 break
 
 
+def pair_reuse_runs(results: list[RunResult]) -> None:
+    """Give every row with block reuse the row without reuse over exactly the same prompts, mode, sizing and
+    geometry (`reuse_paired_run`), and its acceptance over that row's (`acceptance_vs_no_reuse`)."""
+
+    def geometry(setup: SimSetup | None) -> SimSetup | None:
+        return None if setup is None else replace(setup, block_reuse="off")
+
+    for r in results:
+        if r.block_reuse == "off":
+            continue
+        for a in results:
+            if (
+                a.block_reuse == "off" and a.mode == r.mode and a.sizing == r.sizing
+                and a.prompt_tokens == r.prompt_tokens and a.shared_prefix == r.shared_prefix
+                and geometry(a.setup) == geometry(r.setup)
+            ):
+                r.reuse_paired_run = a.name
+                if a.acceptance_length > 0 and r.finished:
+                    r.acceptance_vs_no_reuse = round(r.acceptance_length / a.acceptance_length, 3)
+                break
+
+
 # -- reporting ------------------------------------------------------------------------------
 def format_table(results: list[RunResult]) -> str:
+    w = max([12, *(len(r.name) for r in results)])  # the run column fits the longest name
     head = (
-        f"{'run':<12} {'sizing':<8} {'mode':<6} {'finished':>9} {'resize fail':>11} {'foreign':>8} "
-        f"{'peak/est pages':>15} {'warmup':>7} {'accept':>7} {'tok/s':>8} {'= target':>9} {'handoff':>8}  "
-        "events / first error"
+        f"{'run':<{w}} {'sizing':<8} {'mode':<6} {'finished':>9} {'resize fail':>11} {'foreign':>8} "
+        f"{'peak/est pages':>15} {'warmup':>7} {'accept':>7} {'tok/s':>8} {'= target':>9} {'handoff':>8} "
+        f"{'reused':>13}  events / first error"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -452,12 +533,19 @@ def format_table(results: list[RunResult]) -> str:
         err = (r.first_error[:90] + "...") if len(r.first_error) > 90 else r.first_error
         err = "  ".join(x for x in (_events(r), err) if x)
         lines.append(
-            f"{r.name:<12} {r.sizing:<8} {r.mode[:6]:<6} {f'{r.finished}/{total}':>9} {r.resize_failures:>11} "
+            f"{r.name:<{w}} {r.sizing:<8} {r.mode[:6]:<6} {f'{r.finished}/{total}':>9} {r.resize_failures:>11} "
             f"{r.foreign_page_accesses:>8} {f'{r.peak_draft_pages_per_request}/{r.estimated_draft_pages_per_request}':>15} "
             f"{('skipped' if r.skipped_warmups else 'ok'):>7} {r.acceptance_length:>7.3f} {r.tokens_per_s:>8.1f} "
-            f"{match:>9} {_handoff_cell(r):>8}  {err}"
+            f"{match:>9} {_handoff_cell(r):>8} {_reuse_cell(r):>13}  {err}"
         )
     return "\n".join(lines)
+
+
+def _reuse_cell(r: RunResult) -> str:
+    """`-` without block reuse, else the mode's initial and the prefill tokens saved (`j:196608`, `t:0`)."""
+    if r.block_reuse == "off":
+        return "-"
+    return f"{r.block_reuse[0]}:{r.prefill_tokens_saved}"
 
 
 def _handoff_cell(r: RunResult) -> str:
@@ -486,9 +574,26 @@ def format_pairs(results: list[RunResult]) -> str:
             f"accept {r.acceptance_length:.3f} / {twin.acceptance_length:.3f} = {r.acceptance_vs_paired:.3f}: "
             f"{r.name} vs {twin.name} ({r.sizing}, handoff {r.drafter_handoff}){sent}"
         )
+    out = "disaggregated vs aggregated over the same prompts:\n  " + "\n  ".join(lines) if lines else ""
+    reuse = format_reuse_pairs(results)
+    return "\n\n".join(x for x in (out, reuse) if x)
+
+
+def format_reuse_pairs(results: list[RunResult]) -> str:
+    """One line per row with block reuse and a twin without: both acceptances, their ratio, tokens saved."""
+    lines = []
+    for r in results:
+        if r.reuse_paired_run is None or r.acceptance_vs_no_reuse is None:
+            continue
+        twin = next(a for a in results if a.name == r.reuse_paired_run and a.sizing == r.sizing)
+        lines.append(
+            f"accept {r.acceptance_length:.3f} / {twin.acceptance_length:.3f} = {r.acceptance_vs_no_reuse:.3f}: "
+            f"{r.name} vs {twin.name} ({r.sizing}, {r.mode}, {r.block_reuse} reuse), "
+            f"{r.prefill_tokens_saved:,} of {sum(r.prompt_tokens):,} prompt tokens reused"
+        )
     if not lines:
         return ""
-    return "disaggregated vs aggregated over the same prompts:\n  " + "\n  ".join(lines)
+    return "with block reuse vs without, over the same prompts:\n  " + "\n  ".join(lines)
 
 
 def _events(r: RunResult) -> str:
@@ -501,7 +606,9 @@ def _events(r: RunResult) -> str:
         ("stale", r.stale_reads),
         ("unbacked", r.unbacked_accesses),
         ("accounting", r.accounting_errors),
+        ("shared_writes", r.shared_page_writes),
         ("refused", r.refused_requests),
+        ("held_at_end", max(r.pages_held_at_end, 0)),
     )
     return " ".join(f"{name}={value}" for name, value in named if value)
 

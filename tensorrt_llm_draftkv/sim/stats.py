@@ -16,6 +16,7 @@ class RunStats:
     stale_reads: int = 0
     unbacked_accesses: int = 0
     accounting_errors: int = 0
+    shared_page_writes: int = 0  # drafter writes to shared or published pages (block reuse)
     slot_reseeds: int = 0
     max_seed_lag_tokens: int = 0
     handoff_seeds: int = 0  # generation slots seeded from a received drafter context
@@ -25,6 +26,12 @@ class RunStats:
     full_drafter_bytes: int = 0  # what the drafter context of every whole prompt would have cost
     #: per request: (prompt length, drafter-context bytes received, bytes of its whole prompt's drafter context)
     drafter_bytes_by_request: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    #: per request: prompt tokens a prefix hit let it skip (block reuse; on the context worker when disaggregated)
+    reused_tokens: dict[int, int] = field(default_factory=dict)
+    reused_positions_checked: int = 0  # target K/V positions of reused pages checked against the tokens
+    #: pages still held (every pool of both managers) once every request finished; -1 if not checked
+    pages_held_at_end: int = -1
+    cached_free_pages_at_end: int = 0  # of the rest: published pages kept for later hits
     peak_draft_pages_per_request: int = 0
     skipped_warmups: int = 0
     generation_steps: int = 0
@@ -34,11 +41,27 @@ class RunStats:
     wall_s: float = 0.0
     draft_pool_occupancy: list[int] = field(default_factory=list)
     outputs: dict[int, list[int]] = field(default_factory=dict)
+    #: disaggregated runs (the generation worker's stats): the context worker's own, outputs dropped
+    context_worker: "RunStats | None" = None
+
+    @property
+    def pages_held_by_both(self) -> int:
+        """Pages still held at the end on this worker and, when disaggregated, on the context worker too
+        (-1 if either was not checked: a request did not finish)."""
+        counts = [self.pages_held_at_end]
+        if self.context_worker is not None:
+            counts.append(self.context_worker.pages_held_at_end)
+        return -1 if min(counts) < 0 else sum(counts)
 
     @property
     def acceptance_length(self) -> float:
         """Mean tokens a generation step adds per request (accepted drafts + the bonus)."""
         return self.accepted_tokens / self.generation_steps if self.generation_steps else 0.0
+
+    @property
+    def prefill_tokens_saved(self) -> int:
+        """Prompt tokens no worker computed thanks to prefix hits (target and drafter)."""
+        return sum(self.reused_tokens.values())
 
     @property
     def tokens_per_s(self) -> float:
@@ -51,6 +74,7 @@ SPECULATOR_COUNTERS = (
     "stale_reads",
     "unbacked_accesses",
     "accounting_errors",
+    "shared_page_writes",
     "slot_reseeds",
     "max_seed_lag_tokens",
     "handoff_seeds",

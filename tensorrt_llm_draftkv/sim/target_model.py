@@ -99,6 +99,47 @@ class TinyTarget:
                 layer.index_copy_(0, k_rows, keys.to(layer.device, layer.dtype))
                 layer.index_copy_(0, v_rows, values.to(layer.device, layer.dtype))
 
+    def expected_kv(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V this model writes at absolute `positions` of a request holding `tokens` (see `write_kv`)."""
+        pos = positions.to(tokens.device)
+        prev = tokens[(pos - 1).clamp(min=0)]
+        keys = self.embedding[prev] * (pos > 0).unsqueeze(1).to(self.embedding.dtype)
+        return keys, self.embedding[tokens[pos]]
+
+    def check_reused(self, request_id: int, tokens: torch.Tensor, reused: int) -> int:
+        """A request that starts past a prefix hit of `reused` tokens: every position below `reused` that its
+        block table backs (in every layer of every group) must hold the K/V this model would write there for
+        this request's tokens, because an earlier request with the same prefix computed them.
+
+        Returns the positions checked; raises `RuntimeError` naming the request, group, position and page on
+        the first mismatch.
+        """
+        if reused <= 0:
+            return 0
+        cache = self.manager.get_cache(request_id)
+        checked = 0
+        for g in range(self.manager.num_pools):
+            row = torch.tensor(cache.block_row_slice(g, 0, reused // self.P), dtype=torch.long)
+            ordinals = (row != BAD_PAGE_INDEX).nonzero().reshape(-1)
+            if ordinals.numel() == 0:
+                continue
+            pos = (ordinals[:, None] * self.P + torch.arange(self.P)[None, :]).reshape(-1)
+            key_rows = (row[pos // self.P] * (2 * self.P) + pos % self.P).to(self.device)
+            want_k, want_v = self.expected_kv(tokens, pos.to(tokens.device))
+            for layer in self._layers(g):
+                for what, rows, want in (("K", key_rows, want_k), ("V", key_rows + self.P, want_v)):
+                    bad = ~torch.isclose(layer.index_select(0, rows), want.to(layer.dtype)).all(dim=1)
+                    if bool(bad.any()):
+                        i = int(bad.nonzero()[0])
+                        p = int(pos[i])
+                        raise RuntimeError(
+                            f"request {request_id}: reused target {what} at position {p} (layer group {g}, page "
+                            f"{int(row[p // self.P])}) differs from what its tokens give; {int(bad.sum())} of "
+                            f"{pos.numel()} reused positions differ (hit of {reused} tokens)"
+                        )
+            checked += pos.numel()
+        return checked
+
     def read_kv(self, request_id: int, start: int, end: int, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions [start, end) from one group's first layer, through the block table."""
         k_rows, v_rows = self._flat_rows(request_id, group, start, end, "read")

@@ -67,6 +67,8 @@ class TargetVerifier:
     def __init__(self, manager: KVCacheManagerV2, model: TinyTarget) -> None:
         self.manager = manager
         self.model = model
+        #: target K/V positions on reused (prefix-hit) pages checked against the request's tokens
+        self.reused_positions_checked = 0
 
     def prepare(self, batch: ScheduledRequests) -> None:
         self.manager.prepare_resources(batch)
@@ -74,6 +76,9 @@ class TargetVerifier:
     def context(self, req: LlmRequest, tokens: torch.Tensor, start: int, end: int) -> int | None:
         """Target K/V of positions ``[start, end)``; the first output token if the chunk ends the prompt."""
         rid = req.py_request_id
+        if start > 0 and start == req.reused_tokens:
+            # The first chunk after a prefix hit: the reused pages must already hold this prompt's K/V.
+            self.reused_positions_checked += self.model.check_reused(rid, tokens, start)
         self.model.write_kv(rid, tokens, start, end)
         if end < req.prompt_len:
             return None

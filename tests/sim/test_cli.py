@@ -62,7 +62,7 @@ def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 def table_rows(out: str) -> dict[tuple[str, str], list[str]]:
     """(run, sizing) -> the row's cells: run sizing mode finished resize foreign peak/est warmup accept tok/s match
-    handoff [error...]."""
+    handoff reused [events / error...]."""
     lines = out.splitlines()
     head = next(i for i, line in enumerate(lines) if line.split()[:3] == ["run", "sizing", "mode"])
     rows = {}
@@ -151,11 +151,15 @@ def test_the_default_command_runs_the_whole_scenario_in_under_two_minutes():
     elapsed = time.monotonic() - started
     assert proc.returncode == 0, proc.stderr
     rows = table_rows(proc.stdout)
+    prefix_runs = [
+        f"{short}-prefix{suffix}" for short in ("agg", "disagg") for suffix in ("", "-reuse", "-joint")
+    ]
     totals = {
         "agg-16k": 2, "disagg-16k": 2, "agg-long": 4, "disagg-long": 4, "agg-evict": 5, "disagg-evict": 5,
-        "agg-window": 3, "disagg-window": 3,
+        "agg-window": 3, "disagg-window": 3, **{name: 4 for name in prefix_runs},
     }
-    twins = {"agg-16k", "agg-evict", "agg-window"}  # aggregated twins run under history only
+    # aggregated twins and the shared-prefix runs run under history only
+    twins = {"agg-16k", "agg-evict", "agg-window", *prefix_runs}
     assert list(rows) == [
         (name, sizing) for name in totals for sizing in ("history", "legacy") if sizing == "history" or name not in twins
     ]
@@ -166,32 +170,46 @@ def test_the_default_command_runs_the_whole_scenario_in_under_two_minutes():
             assert finished == total and cells[4] == "0" and cells[5] == "0"
             peak, est = map(int, cells[6].split("/"))
             # only an aggregated prefill of a prompt past the window fills the whole charge
-            assert peak <= est and (peak == est) == (name in ("agg-long", "agg-16k"))
+            assert peak <= est and (peak == est) == (name in ("agg-long", "agg-16k") or name.startswith("agg-prefix"))
             assert cells[7] == "ok"  # the warmup ran
             assert cells[10] == "yes", f"{name}: speculative output equals target-only output"
-            events = " ".join(cells[12:])
-            for bad in ("stale=", "unbacked=", "accounting=", "refused="):
+            events = " ".join(cells[13:])
+            for bad in ("stale=", "unbacked=", "accounting=", "refused=", "shared_writes=", "held_at_end="):
                 assert bad not in events, f"{name}: {events}"
     for name in ("agg-long", "disagg-long"):
         cells = rows[name, "legacy"]
         assert cells[3] == f"0/{totals[name]}" and cells[4] == "1"
-        m = RESIZE_ERROR.search(" ".join(cells[12:]))
+        m = RESIZE_ERROR.search(" ".join(cells[13:]))
         assert m and int(m.group(1)) == 1 and int(m.group(2)) >= 131071
         assert cells[10] == "-"
     assert int(rows["disagg-16k", "legacy"][5]) > 0
-    assert "reseeds=" in " ".join(rows["disagg-evict", "history"][12:])  # slots evicted and reseeded
+    assert "reseeds=" in " ".join(rows["disagg-evict", "history"][13:])  # slots evicted and reseeded
     # the reseeds after a slot loss had no received context to draw on, and say so
-    assert "reseeds_without_handoff=" in " ".join(rows["disagg-evict", "history"][12:])
+    assert "reseeds_without_handoff=" in " ".join(rows["disagg-evict", "history"][13:])
     # with the handoff every first seed sits at the prompt end; no seed lags its request
-    assert "lag=" not in " ".join(rows["disagg-long", "history"][12:])
+    assert "lag=" not in " ".join(rows["disagg-long", "history"][13:])
     for name in totals:
         if name.startswith("disagg-"):  # the generation worker's acceptance against its aggregated twin
             disagg = float(rows[name, "history"][8])
             agg = float(rows[name.replace("disagg-", "agg-"), "history"][8])
             assert disagg >= 0.97 * agg, f"{name}: {disagg} against {agg}"
-            assert rows[name, "history"][11].endswith("%") and rows[name, "legacy"][11] == "none"
+            assert rows[name, "history"][11].endswith("%")
+            if name not in twins:
+                assert rows[name, "legacy"][11] == "none"
         else:
             assert rows[name, "history"][11] == "-"
+    # block reuse: three requests hit the whole 64k prefix; joint reuse keeps the acceptance, target-only
+    # reuse (the drafter's context behind the prefix empty) loses it
+    for name in prefix_runs:
+        cell = rows[name, "history"][12]
+        base = name.removesuffix("-reuse").removesuffix("-joint")
+        if name == base:
+            assert cell == "-"
+            continue
+        assert cell == ("j:" if name.endswith("-joint") else "t:") + str(3 * 65536)
+        ratio = float(rows[name, "history"][8]) / float(rows[base, "history"][8])
+        assert ratio >= 0.97 if name.endswith("-joint") else ratio < 0.97, f"{name}: {ratio:.3f}"
+    assert "with block reuse vs without, over the same prompts:" in proc.stdout
     assert "disaggregated vs aggregated over the same prompts:" in proc.stdout
     assert rows["disagg-16k", "legacy"][10] == "yes"
     assert elapsed < 120, f"the default command took {elapsed:.0f} s"

@@ -218,10 +218,20 @@ def test_the_default_scenario_is_the_shipped_config_and_unchanged():
             ),
             RunSpec("agg-window", "aggregated", (1023, 4095, 8191), 3, draft_window=256, max_new_tokens=384, **twin),
             RunSpec("disagg-window", "disaggregated", (1023, 4095, 8191), 3, draft_window=256, max_new_tokens=384),
+            # Four prompts sharing a 64k-token prefix, without reuse, with target-only and with joint reuse.
+            *(
+                RunSpec(
+                    f"{short}-prefix{suffix}", mode, (517, 1031, 2053, 4099), 4, max_new_tokens=64, shared_prefix=65536,
+                    block_reuse=reuse, **twin,
+                )
+                for mode, short in (("aggregated", "agg"), ("disaggregated", "disagg"))
+                for reuse, suffix in (("off", ""), ("target", "-reuse"), ("joint", "-joint"))
+            ),
         ),
     )
     assert replace(DEFAULT_SCENARIO, runs=tuple(replace(r, note="") for r in DEFAULT_SCENARIO.runs)) == before
     assert DEFAULT_SCENARIO.setup.drafter_handoff.value == "window" and DEFAULT_SCENARIO.setup.handoff_form.value == "kv"
+    assert DEFAULT_SCENARIO.setup.block_reuse == "off"
 
 
 def test_config_round_trip(capsys, tmp_path):
@@ -250,9 +260,31 @@ def test_flags_override_the_config_file_and_the_runs_own_values(capsys, tmp_path
     # Without --prompts and without runs in the file: the default runs, --mode keeping those of one mode.
     path.write_text(json.dumps({"chunk": 4096}))
     config = printed_config(capsys, "--config", str(path), "--mode", "aggregated", "--drafter-slots", "3")
-    assert [r["name"] for r in config["runs"]] == ["agg-16k", "agg-long", "agg-evict", "agg-window"]
+    assert [r["name"] for r in config["runs"]] == [
+        "agg-16k", "agg-long", "agg-evict", "agg-window", "agg-prefix", "agg-prefix-reuse", "agg-prefix-joint"
+    ]
     assert all("drafter_slots" not in r for r in config["runs"])
     assert config["chunk"] == 4096 and config["drafter_slots"] == 3
+
+
+def test_shared_prefix_and_block_reuse_flags(capsys):
+    config = printed_config(
+        capsys, "--prompts", "517,1031x2", "--shared-prefix", "65536", "--block-reuse", "joint", "--mode", "aggregated"
+    )
+    (run,) = config["runs"]
+    assert config["block_reuse"] == "joint"
+    assert run["shared_prefix"] == 65536 and run["prompts"] == [517, 1031, 1031]
+    # the flag wins over the runs' own block_reuse (the default's shared-prefix runs)
+    config = printed_config(capsys, "--block-reuse", "target", "--runs", "agg-prefix-joint")
+    assert config["block_reuse"] == "target" and "block_reuse" not in config["runs"][0]
+    line = usage_error(capsys, "--shared-prefix", "1024")
+    assert "argument --shared-prefix: needs --prompts" in line
+    line = usage_error(capsys, "--prompts", "517", "--shared-prefix", "1024")
+    assert "argument --shared-prefix:" in line and "needs >= 2 prompts" in line
+    line = usage_error(capsys, "--block-reuse", "on")
+    assert "argument --block-reuse: must be off, target or joint, got 'on'" in line
+    line = usage_error(capsys, "--prompts", "517,1031", "--shared-prefix", "600000")
+    assert "argument --max-seq-len:" in line and "600000" not in line and "601031" in line
 
 
 RUN = {"name": "a", "mode": "aggregated", "prompts": [10], "max_concurrency": 1}
