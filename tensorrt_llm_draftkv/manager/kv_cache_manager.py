@@ -53,6 +53,8 @@ class KVCacheManagerV2:
         )
         # Managers whose pools a hit must also cover (`pair_joint_reuse`).
         self._reuse_partners: list[KVCacheManagerV2] = []
+        # Draft windows a target-only hit must stop short of (`keep_drafter_window`), or None.
+        self._drafter_windows: tuple[int | None, ...] | None = None
         widen = trail_tokens
         # The geometry that salts every page key of a pool (group index and window join in the chain root).
         salt = (self.error_label, config.tokens_per_block, config.kv_factor, config.num_kv_heads, config.head_dim,
@@ -319,6 +321,7 @@ class KVCacheManagerV2:
     # -- block reuse (manager/prefix_reuse.py) ----------------------------------------------
     find_prefix_hit = prefix_reuse.find_prefix_hit
     pair_joint_reuse = prefix_reuse.pair_joint_reuse
+    keep_drafter_window = prefix_reuse.keep_drafter_window
 
     def _prefix_error(self, req: LlmRequest, tokens: int, group: int, missing: list[int]) -> KVCacheResizeError:
         """A mirror told to reuse `tokens` whose pool lacks published pages (block ordinals `missing`)."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..request import LlmRequest
+from .rules import drafter_window_hit_cap
 from ..runtime import BAD_PAGE_INDEX
 from ..runtime.prefix_cache import PageKey, longest_valid_prefix, page_tokens
 
@@ -69,6 +70,9 @@ def _find(self: KVCacheManagerV2, req: LlmRequest) -> tuple[int, list[PrefixLook
     if not all(m.block_reuse for m in managers):
         return 0, []
     cap = max(req.prompt_len - 1, 0) // self.tokens_per_block
+    if self._drafter_windows is not None:
+        cap = min(cap, drafter_window_hit_cap(req.prompt_len, self._drafter_windows, self.tokens_per_block)
+                  // self.tokens_per_block)
     if cap == 0:
         return 0, []
     found = [lookup(m, req, cap) for m in managers]
@@ -156,3 +160,23 @@ def pair_joint_reuse(self: KVCacheManagerV2, draft_manager: KVCacheManagerV2) ->
         )
     if draft_manager not in self._reuse_partners:
         self._reuse_partners.append(draft_manager)
+
+
+def keep_drafter_window(self: KVCacheManagerV2, draft_manager: KVCacheManagerV2) -> None:
+    """Target-only reuse with a drafter whose pool does not reuse: stop every hit short of the
+    draft pool's windows, so the executor computes the positions the drafter reads at the
+    prompt end (`rules.drafter_window_hit_cap`) and its context is whole there.
+
+    Without this, a hit leaves the drafter's context behind the prefix empty and its
+    acceptance falls. A draft pool in joint reuse (`pair_joint_reuse`) needs no cap
+    and is refused here (ValueError naming both), as is a manager that does not reuse.
+    """
+    if not self.block_reuse:
+        raise ValueError(f"{self.error_label}: keep_drafter_window needs block reuse on this pool")
+    if draft_manager in self._reuse_partners:
+        raise ValueError(
+            f"{self.error_label}: {draft_manager.error_label} is paired for joint reuse; its pool already holds "
+            "the prefix's drafter K/V, so no hit needs to stop short of its window"
+        )
+    self._drafter_windows = tuple(g.window for g in draft_manager.config.layer_groups)
+

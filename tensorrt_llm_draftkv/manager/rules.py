@@ -194,3 +194,21 @@ class StepSizing:
     def dummy_history(self, history_hint: int | None) -> int | None:
         """A warmup dummy's history: the hint (legacy mirrors drop it)."""
         return history_hint if self.policy is None else dummy_history(self.policy, history_hint)
+
+
+def drafter_window_hit_cap(prompt_len: int, draft_windows: tuple[int | None, ...], tokens_per_block: int) -> int:
+    """Most tokens (a whole number of pages, from position 0) a target-only prefix hit may skip
+    so that the drafter still computes every position it reads at the prompt end.
+
+    At the first generation step (position `m = prompt_len`) a windowed draft group
+    reads `[m + 1 - W, m)`; its context is computed from the hit `h` on, so
+    `h <= m + 1 - W`, rounded down to a page. A full-attention draft group reads
+    the whole prompt: 0. Under joint reuse the draft pool holds the prefix's
+    drafter K/V itself and no cap applies.
+    """
+    if not draft_windows:
+        return prompt_len
+    P = tokens_per_block
+    caps = [0 if w is None else max(0, prompt_len + 1 - w) // P * P for w in draft_windows]
+    return min(caps)
+

@@ -220,9 +220,11 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--block-reuse",
         type=block_reuse_mode,
-        metavar="{off,target,joint}",
-        help="block reuse (prefix caching): off, in the target pool only (target), or in both pools with the "
-        f"draft mirror adopting the prefix's drafter K/V (joint); history sizing only (default {d.block_reuse})",
+        metavar="{off,target,target-all,joint}",
+        help="block reuse (prefix caching): off; in the target pool only, stopping short of the draft window so "
+        "the drafter computes what it reads (target), or taking every cached page (target-all: the drafter's "
+        "context behind the hit stays empty); or in both pools with the draft mirror adopting the prefix's "
+        f"drafter K/V (joint); history sizing only (default {d.block_reuse})",
     )
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write one record per row (its folder must exist)")

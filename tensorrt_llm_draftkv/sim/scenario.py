@@ -20,10 +20,12 @@ from ..speculative.handoff import DrafterHandoff, HandoffForm
 
 MODES = ("aggregated", "disaggregated")
 SIZINGS = ("history", "legacy")
-#: Block reuse (prefix caching, docs/block_reuse.md): `off`; `target`: the target pool reuses prefix pages,
-#: the drafter computes its own context from the hit on; `joint`: both pools reuse, the draft mirror adopts
-#: the prefix pages holding the drafter's K/V (`joint_kv_cache_reuse` + `pair_joint_reuse`).
-BLOCK_REUSE = ("off", "target", "joint")
+#: Block reuse (prefix caching, docs/block_reuse.md): `off`; `target`: the target pool reuses prefix pages
+#: up to the draft window below the prompt end (`keep_drafter_window`), so the drafter computes every
+#: position it reads; `target-all`: every cached page is reused and the drafter's context behind the hit
+#: stays empty (the ablation that shows the acceptance collapse); `joint`: both pools reuse, the draft
+#: mirror adopts the prefix pages holding the drafter's K/V (`joint_kv_cache_reuse` + `pair_joint_reuse`).
+BLOCK_REUSE = ("off", "target", "target-all", "joint")
 #: The drafters the simulator's toy DFlash-style drafter stands in for.
 SIM_DRAFTERS = (SpeculativeDecodingMode.DFLASH, SpeculativeDecodingMode.DSPARK)
 #: More requests than this in one run is a typo (`1x100000000`), not a workload.
@@ -86,7 +88,7 @@ def parse_handoff_form(value: Any, name: str = "handoff_form") -> HandoffForm:
 
 
 def parse_block_reuse(value: Any, name: str = "block_reuse") -> str:
-    """`off`, `target` or `joint` (see BLOCK_REUSE)."""
+    """`off`, `target`, `target-all` or `joint` (see BLOCK_REUSE)."""
     if value not in BLOCK_REUSE:
         raise ScenarioError(name, f"must be {', '.join(BLOCK_REUSE[:-1])} or {BLOCK_REUSE[-1]}, got {value!r}")
     return value
@@ -130,7 +132,7 @@ class SimSetup:
     disaggregated context worker sends for the drafter under `history` sizing
     (`window`, the default, or `none`; `legacy` never sends one), in
     `handoff_form` (`kv` or `hidden`). `block_reuse`: `off` (default),
-    `target` or `joint` (see `BLOCK_REUSE`); reuse runs run under `history`
+    `target`, `target-all` or `joint` (see `BLOCK_REUSE`); reuse runs run under `history`
     sizing only.
     """
 

@@ -148,7 +148,8 @@ def build_executor(
 ) -> Executor:
     """`sizing=None` builds the target-only reference (no draft pool, no drafter).
 
-    `setup.block_reuse`: `target` turns block reuse on in the target pool, `joint` in both pools too, with
+    `setup.block_reuse`: `target` turns block reuse on in the target pool with hits stopping short of the
+    draft window (`keep_drafter_window`), `target-all` without that stop, `joint` in both pools too, with
     the draft manager's `joint_kv_cache_reuse` and `pair_joint_reuse`; either way a fresh prompt waits for
     an earlier one's prefill to finish (`SchedulerConfig.serial_prefill`), so its lookup sees every page.
     """
@@ -204,6 +205,8 @@ def build_executor(
         )
         if joint:
             target.pair_joint_reuse(draft)
+        elif setup.block_reuse == "target":
+            target.keep_drafter_window(draft)  # the drafter computes every position it reads
         speculator = build_speculator(setup, draft, sizing, drafter_slots)
     return Executor(
         target_manager=target,
@@ -542,10 +545,12 @@ def format_table(results: list[RunResult]) -> str:
 
 
 def _reuse_cell(r: RunResult) -> str:
-    """`-` without block reuse, else the mode's initial and the prefill tokens saved (`j:196608`, `t:0`)."""
+    """`-` without block reuse, else the mode's tag and the prefill tokens saved (`j:196608`, `t:0`;
+    `T:` for target-all)."""
     if r.block_reuse == "off":
         return "-"
-    return f"{r.block_reuse[0]}:{r.prefill_tokens_saved}"
+    tag = {"target": "t", "target-all": "T", "joint": "j"}[r.block_reuse]
+    return f"{tag}:{r.prefill_tokens_saved}"
 
 
 def _handoff_cell(r: RunResult) -> str:

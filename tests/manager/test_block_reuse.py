@@ -383,3 +383,52 @@ def test_dummies_are_never_published_nor_given_a_hit():
     mgr.update_context_resources(ScheduledRequests([dummy]))
     assert mgr.pools()[0].prefix.num_published == published and mgr.get_cache(50).committed == 0
     check(mgr)
+
+
+# -- a target-only hit that leaves the drafter its window ----------------------------------------------------
+@pytest.mark.parametrize(
+    "prompt_len,windows,p,cap",
+    [
+        (1061, (256,), 16, 800),  # (1061 + 1 - 256) // 16 * 16
+        (1061, (256, 128), 16, 800),  # the widest window decides
+        (1061, (256, None), 16, 0),  # a full-attention draft group reads the whole prompt
+        (200, (256,), 16, 0),  # the window covers the whole prompt
+        (287, (32,), 4, 256),  # m + 1 - W = 256 starts a page exactly
+    ],
+)
+def test_the_drafter_window_cap_table(prompt_len, windows, p, cap):
+    from tensorrt_llm_draftkv.manager.rules import drafter_window_hit_cap
+
+    assert drafter_window_hit_cap(prompt_len, windows, p) == cap
+
+
+def test_keep_drafter_window_stops_the_hit_short_of_the_draft_window():
+    """Full-attention target, draft window 12: a 31-token prompt's drafter reads [20, 31) at its first
+    generation step, so the hit stops at 20 (page 5), not at the 28 cached tokens."""
+    target = KVCacheManagerV2(config(groups=((None, 0),)))
+    draft = DraftKVCacheManagerV2(
+        KVPoolConfig((LayerGroupConfig(1, window=12),), (64,), tokens_per_block=P, head_dim=1, max_seq_len=256),
+        spec_mode=Mode.DFLASH, max_draft_len=2,
+    )
+    prefill(request(1, PREFIX + [1, 2, 3]), target)
+    assert target.find_prefix_hit(request(2, PREFIX + [5, 6, 7])) == 28
+    target.keep_drafter_window(draft)
+    second = request(2, PREFIX + [5, 6, 7])
+    assert target.find_prefix_hit(second) == 20
+    prefill(second, target, draft)
+    assert second.reused_tokens == 20 and draft.get_cache(2).history_length >= 20
+    # the draft mirror, first seen at 20, backs what the drafter stores from there on
+    assert draft.get_cache(2).block_row(0)[5] != BAD_PAGE_INDEX
+
+
+def test_keep_drafter_window_refuses_a_joint_partner_and_a_pool_without_reuse():
+    target = KVCacheManagerV2(config(groups=((None, 0),)))
+    draft_cfg = KVPoolConfig((LayerGroupConfig(1, window=12),), (64,), tokens_per_block=P, head_dim=1,
+                             max_seq_len=256, enable_block_reuse=True)
+    joint = DraftKVCacheManagerV2(draft_cfg, spec_mode=Mode.DFLASH, max_draft_len=2, joint_kv_cache_reuse=True)
+    target.pair_joint_reuse(joint)
+    with pytest.raises(ValueError, match="paired for joint reuse"):
+        target.keep_drafter_window(joint)
+    plain = KVCacheManagerV2(config(groups=((None, 0),), reuse=False))
+    with pytest.raises(ValueError, match="needs block reuse"):
+        plain.keep_drafter_window(joint)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from dataclasses import replace
 
-from tensorrt_llm_draftkv.manager.rules import MirrorSizing
+from tensorrt_llm_draftkv.manager.rules import MirrorSizing, drafter_window_hit_cap
 from tensorrt_llm_draftkv.request import LlmRequestState
 from tensorrt_llm_draftkv.sim import RunSpec
 from tensorrt_llm_draftkv.sim.disagg import RankPool
@@ -40,7 +40,21 @@ pytestmark = pytest.mark.usefixtures("reference_kernels")  # the kernels' torch 
 PREFIX = 1024
 TAILS = (37, 101, 205, 77)
 EXPECTED_REUSED = {0: 0, 1: PREFIX, 2: PREFIX, 3: PREFIX}
-MODES = ("off", "target", "joint")
+MODES = ("off", "target", "target-all", "joint")
+# `target` stops each hit short of the draft window below the prompt end, so the drafter computes what it
+# reads. The target's window publishes only the pages it still holds at each chunk's end, so a hit below
+# the whole prefix lands on a chunk boundary: the last one at or below the cap.
+CAPPED_REUSED = {
+    rid: max(
+        b for b in range(0, full + 1, SMALL.chunk)
+        if b <= drafter_window_hit_cap(PREFIX + tail, (SMALL.draft_window,), SMALL.tokens_per_block)
+    )
+    for (rid, full), tail in zip(EXPECTED_REUSED.items(), TAILS)
+}
+
+
+def expected_reused(reuse: str) -> dict[int, int]:
+    return {"off": dict.fromkeys(EXPECTED_REUSED, 0), "target": CAPPED_REUSED}.get(reuse, EXPECTED_REUSED)
 
 
 def spec_for(mode: str, reuse: str) -> RunSpec:
@@ -97,7 +111,7 @@ def test_the_scenario_loader_accepts_shared_prefix_runs_and_names_bad_fields():
         with pytest.raises(ScenarioError) as err:
             Scenario.from_dict({"runs": [data]}, base=SMALL)
         assert err.value.field == field, err.value
-    with pytest.raises(ScenarioError, match="block_reuse: must be off, target or joint"):
+    with pytest.raises(ScenarioError, match="block_reuse: must be off, target, target-all or joint"):
         SimSetup.from_dict({"block_reuse": True})
     # a reuse run runs under history only, whatever sizings are asked for
     assert not spec.runs_under("legacy", scenario.setup) and spec.runs_under("history", scenario.setup)
@@ -106,7 +120,7 @@ def test_the_scenario_loader_accepts_shared_prefix_runs_and_names_bad_fields():
 
 def test_a_fresh_prompt_waits_for_an_earlier_prefill_under_serial_prefill():
     """Block reuse: request 1 is not scheduled while request 0 (the prefix's publisher) is still in prefill."""
-    executor = build_executor(replace(SMALL, block_reuse="target"), MirrorSizing.HISTORY, 4, 4)
+    executor = build_executor(replace(SMALL, block_reuse="target-all"), MirrorSizing.HISTORY, 4, 4)
     assert executor.scheduler.config.serial_prefill
     for rid, prompt in enumerate(_prompts(SMALL, spec_for("aggregated", "off"))[:2]):
         executor.add_request(rid, prompt)
@@ -178,7 +192,7 @@ def test_aggregated_reuse_runs_are_clean_and_save_the_expected_prefill(aggregate
         assert r.foreign_page_accesses == r.stale_reads == r.unbacked_accesses == r.accounting_errors == 0
         assert r.shared_page_writes == 0 and r.output_matches_target is True
         assert r.pages_held_at_end == 0
-        expected = [0] * 4 if reuse == "off" else list(EXPECTED_REUSED.values())
+        expected = list(expected_reused(reuse).values())
         assert r.reused_tokens == expected and r.prefill_tokens_saved == sum(expected)
         record = r.to_json()
         assert record["block_reuse"] == reuse and record["reused_tokens"] == expected
@@ -191,19 +205,23 @@ def test_aggregated_reuse_runs_are_clean_and_save_the_expected_prefill(aggregate
     assert results["off"].reused_positions_checked == 0 < results["target"].reused_positions_checked
 
 
-def test_joint_reuse_keeps_the_acceptance_and_target_only_reuse_loses_it(aggregated):
+def test_joint_and_capped_target_reuse_keep_the_acceptance_and_target_all_loses_it(aggregated):
     results, _ = aggregated
-    off, target, joint = (results[m] for m in MODES)
-    assert joint.reuse_paired_run == target.reuse_paired_run == off.name
+    off, target, target_all, joint = (results[m] for m in MODES)
+    assert joint.reuse_paired_run == target.reuse_paired_run == target_all.reuse_paired_run == off.name
     assert joint.acceptance_length >= 0.97 * off.acceptance_length
     assert joint.acceptance_vs_no_reuse == round(joint.acceptance_length / off.acceptance_length, 3)
-    # Target-only: the drafter's context behind the prefix is empty on a hit (3.36 against 6.81 here).
-    assert target.acceptance_length < 0.97 * off.acceptance_length
+    # Target-only, hit stopped short of the draft window: the drafter computed everything it reads.
+    assert target.acceptance_length >= 0.97 * off.acceptance_length
+    # Target-only taking every cached page: the drafter's context behind the prefix is empty (the collapse).
+    assert target_all.acceptance_length < 0.97 * off.acceptance_length
     text = format_pairs(list(results.values()))
     assert "with block reuse vs without, over the same prompts:" in text
     assert f"{joint.name} vs {off.name} (history, aggregated, joint reuse), 3,072 of" in text
     table = format_table(list(results.values()))
-    assert " j:3072 " in table and " t:3072 " in table
+    capped = sum(CAPPED_REUSED.values())
+    assert " j:3072 " in table and " T:3072 " in table and f" t:{capped} " in table
+    assert 0 < capped < 3 * PREFIX
 
 
 def test_under_joint_reuse_the_drafter_never_writes_a_shared_page(aggregated):
@@ -229,7 +247,7 @@ def test_disaggregated_reuse_runs_are_clean_and_the_context_worker_saves_the_pre
     specs, reference, stats, agg = disaggregated
     for reuse, s in stats.items():
         assert_clean(s, reference, specs[reuse])
-        expected = {r: 0 for r in EXPECTED_REUSED} if reuse == "off" else EXPECTED_REUSED
+        expected = expected_reused(reuse)
         assert s.reused_tokens == expected and s.context_worker.reused_tokens == expected
         assert s.prefill_tokens_saved == sum(expected.values())
         # generation worker: no reuse there, nothing cached; context worker: the prefix pages stay cached
@@ -238,15 +256,16 @@ def test_disaggregated_reuse_runs_are_clean_and_the_context_worker_saves_the_pre
         # the generation worker's acceptance reaches its aggregated twin's (same reuse mode)
         assert s.acceptance_length >= 0.97 * agg[reuse].acceptance_length
     assert stats["joint"].acceptance_length >= 0.97 * stats["off"].acceptance_length
-    assert stats["target"].acceptance_length < 0.97 * stats["off"].acceptance_length
+    assert stats["target"].acceptance_length >= 0.97 * stats["off"].acceptance_length
+    assert stats["target-all"].acceptance_length < 0.97 * stats["off"].acceptance_length
 
 
 def test_target_only_reuse_hands_over_only_the_drafter_context_it_computed(disaggregated):
     """Without joint reuse the context worker's drafter has nothing below the hit: it sends from there on."""
     _, _, stats, _ = disaggregated
-    off, target, joint = (stats[m] for m in MODES)
+    off, capped, target, joint = (stats[m] for m in MODES)
     assert joint.drafter_bytes_sent == off.drafter_bytes_sent  # joint reads the prefix's window from shared pages
-    assert 0 < target.drafter_bytes_sent < off.drafter_bytes_sent
+    assert 0 < target.drafter_bytes_sent < capped.drafter_bytes_sent <= off.drafter_bytes_sent
     assert off.handoff_seeds == target.handoff_seeds == joint.handoff_seeds == len(TAILS)
     full = {rid: entry for rid, entry in off.drafter_bytes_by_request.items()}
     for rid, (m, sent, whole) in target.drafter_bytes_by_request.items():

@@ -282,7 +282,7 @@ def test_shared_prefix_and_block_reuse_flags(capsys):
     line = usage_error(capsys, "--prompts", "517", "--shared-prefix", "1024")
     assert "argument --shared-prefix:" in line and "needs >= 2 prompts" in line
     line = usage_error(capsys, "--block-reuse", "on")
-    assert "argument --block-reuse: must be off, target or joint, got 'on'" in line
+    assert "argument --block-reuse: must be off, target, target-all or joint, got 'on'" in line
     line = usage_error(capsys, "--prompts", "517,1031", "--shared-prefix", "600000")
     assert "argument --max-seq-len:" in line and "600000" not in line and "601031" in line
 
