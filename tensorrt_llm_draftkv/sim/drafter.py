@@ -81,6 +81,25 @@ class DFlashDrafterConfig:
         return self.block_size - 1
 
 
+def _storage_rows(storage: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of ``storage`` (``[pages, 2, H, P, D]``, viewed as ``[-1, D]``) holding K and V of every head at
+    ``(pages[i], offsets[i])``: ``[*pages.shape, 2, H]``. One flat index instead of two advanced indices
+    around slices, which torch turns into a slow scatter."""
+    _, two, H, P, _ = storage.shape
+    kv_head = torch.arange(two * H, device=pages.device).view(two, H)
+    return (pages[..., None, None] * (two * H) + kv_head) * P + offsets[..., None, None]
+
+
+def _scatter_rows(storages: list[torch.Tensor], pages: torch.Tensor, offsets: torch.Tensor, kv: torch.Tensor) -> None:
+    """Write ``kv[:, l]`` (``[n, 2, H, D]``) of layer ``l`` at ``(pages[i], offsets[i])`` of ``storages[l]``."""
+    if pages.numel() == 0:
+        return
+    rows = _storage_rows(storages[0], pages, offsets).reshape(-1)
+    D = storages[0].shape[-1]
+    for li, storage in enumerate(storages):
+        storage.view(-1, D).index_copy_(0, rows, kv[:, li].reshape(-1, D).to(storage.dtype))
+
+
 class _Group:
     """The drafter layers that live in one pool (layer group): they share pages and positions."""
 
@@ -250,14 +269,17 @@ class DFlashDrafter:
         backed = pages >= 0
         if not bool(backed.all()):
             pages, offsets, kv = pages[backed], offsets[backed], kv[backed]
-        for li, storage in enumerate(group.storages):
-            storage[pages, :, :, offsets, :] = kv[:, li]
+        _scatter_rows(group.storages, pages, offsets, kv)
 
     def _gather(self, gi: int, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """``[..., Lg, 2, H, D]`` K/V at ``(pages, offsets)``; a -1 page (unbacked) reads zeros."""
         backed = pages >= 0
         pg = torch.where(backed, pages, 0)
-        kv = torch.stack([storage[pg, :, :, offsets, :] for storage in self._groups[gi].storages], dim=-4)
+        storages = self._groups[gi].storages
+        rows = _storage_rows(storages[0], pg, offsets).reshape(-1)
+        D = storages[0].shape[-1]
+        kv = torch.stack([s.view(-1, D).index_select(0, rows) for s in storages], dim=0)
+        kv = kv.view(len(storages), *pg.shape, 2, storages[0].shape[2], D).movedim(0, -4)
         return kv * backed[..., None, None, None, None].to(kv.dtype)
 
     def _report_read(
@@ -293,8 +315,7 @@ class DFlashDrafter:
             page = torch.where(inside, row[torch.where(inside, ordinal, 0)], -1) if row.numel() else -1 - ordinal * 0
             ok = page >= 0
             kv = self._project_group(gi, hidden[ok], positions[ok])
-            for li, storage in enumerate(group.storages):
-                storage[page[ok], :, :, positions[ok] % P, :] = kv[:, li]
+            _scatter_rows(group.storages, page[ok], positions[ok] % P, kv)
             if self.checker is not None:
                 self.checker.mark_reused(rid, group.index, group.layers, positions[ok], kv)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Callable
@@ -302,7 +303,7 @@ class _Progress:
     The trace is kept whether or not the bar is drawn.
     """
 
-    def __init__(self, label: str, total: int, enabled: bool) -> None:
+    def __init__(self, label: str, total: int, enabled: bool, position: int = 0) -> None:
         from tqdm import tqdm
 
         self.total = total
@@ -310,6 +311,7 @@ class _Progress:
         self._sent = 0
         self.bar = tqdm(
             total=total, desc=f"  {label}", unit="req", leave=False, disable=not enabled, file=sys.stderr,
+            position=position,
             dynamic_ncols=True, bar_format="{desc}: {n_fmt}/{total_fmt} req |{bar}| {elapsed}{postfix}",
         )
 
@@ -405,73 +407,98 @@ def simulate(scenario: Scenario, sizings: list[MirrorSizing], *, progress: bool 
 
 
 def _run_all(scenario: Scenario, sizings, references, progress, ranks) -> list[RunResult]:
-    results: list[RunResult] = []
-    for spec in scenario.runs:
-        setup = spec.setup_for(scenario.setup)
-        reference = references[setup.max_new_tokens]
-        for sizing in sizings:
-            if not spec.runs_under(sizing.value, scenario.setup):
-                continue
-            bar = _Progress(f"{spec.name} ({sizing.value})", len(spec.prompts), progress)
-            try:
-                stats, _ = run_one(scenario.setup, spec, sizing, progress=bar, ranks=ranks)
-            finally:
-                bar.close()
-            keys = spec.prompt_keys()
-            ctx = stats.context_worker or RunStats()  # disaggregated: the context worker's checker counts too
-            matches = None
-            if stats.outputs:
-                matches = all(reference.get(keys[rid]) == out for rid, out in stats.outputs.items())
-            results.append(
-                RunResult(
-                    name=spec.name,
-                    sizing=sizing.value,
-                    mode=spec.mode,
-                    prompt_tokens=list(spec.prompt_lengths),
-                    finished=stats.finished,
-                    resize_failures=stats.resize_failures,
-                    refused_requests=stats.refused_requests,
-                    first_error=stats.first_error,
-                    foreign_page_accesses=stats.foreign_page_accesses + ctx.foreign_page_accesses,
-                    stale_reads=stats.stale_reads + ctx.stale_reads,
-                    unbacked_accesses=stats.unbacked_accesses + ctx.unbacked_accesses,
-                    accounting_errors=stats.accounting_errors + ctx.accounting_errors,
-                    slot_reseeds=stats.slot_reseeds,
-                    max_seed_lag_tokens=stats.max_seed_lag_tokens,
-                    peak_draft_pages_per_request=stats.peak_draft_pages_per_request,
-                    estimated_draft_pages_per_request=draft_pages_per_request(setup),
-                    acceptance_length=round(stats.acceptance_length, 3),
-                    output_matches_target=matches,
-                    skipped_warmups=stats.skipped_warmups,
-                    tokens_per_s=round(stats.tokens_per_s, 1),
-                    wall_s=round(stats.wall_s, 2),
-                    drafter_handoff=(
-                        handoff_for(setup, sizing).mode.value if spec.mode == "disaggregated" else None
-                    ),
-                    drafter_bytes_sent=stats.drafter_bytes_sent,
-                    full_drafter_bytes=stats.full_drafter_bytes,
-                    handoff_seeds=stats.handoff_seeds,
-                    reseeds_without_handoff=stats.reseeds_without_handoff,
-                    handoff_fallbacks=stats.handoff_fallbacks,
-                    block_reuse=setup.block_reuse,
-                    shared_prefix=spec.shared_prefix,
-                    reused_tokens=[stats.reused_tokens.get(rid, 0) for rid in range(len(spec.prompts))],
-                    prefill_tokens_saved=stats.prefill_tokens_saved,
-                    pages_held_at_end=stats.pages_held_by_both,
-                    shared_page_writes=stats.shared_page_writes + ctx.shared_page_writes,
-                    reused_positions_checked=stats.reused_positions_checked + ctx.reused_positions_checked,
-                    cached_free_pages_at_end=stats.cached_free_pages_at_end + (
-                        stats.context_worker.cached_free_pages_at_end if stats.context_worker else 0
-                    ),
-                    draft_pool_occupancy=stats.draft_pool_occupancy,
-                    setup=setup,
-                    max_concurrency=spec.max_concurrency,
-                    plot_trace=PlotTrace(bar.foreign_per_step, setup.pool_requests * draft_pages_per_request(setup)),
-                )
-            )
+    """Every (run, sizing) of the scenario, results in scenario order.
+
+    The disaggregated runs work in the two rank processes, so they are driven
+    from a thread of this process while this thread runs the aggregated ones:
+    on two cores the two kinds overlap instead of taking turns.
+    """
+    jobs = [
+        (spec, sizing)
+        for spec in scenario.runs
+        for sizing in sizings
+        if spec.runs_under(sizing.value, scenario.setup)
+    ]
+    lanes = {"aggregated": 0, "disaggregated": 1}
+
+    def execute(index: int) -> tuple[int, RunResult]:
+        spec, sizing = jobs[index]
+        bar = _Progress(f"{spec.name} ({sizing.value})", len(spec.prompts), progress, position=lanes[spec.mode])
+        try:
+            stats, _ = run_one(scenario.setup, spec, sizing, progress=bar, ranks=ranks)
+        finally:
+            bar.close()
+        return index, _result(scenario, spec, sizing, stats, references, bar)
+
+    disaggregated = [i for i, (spec, _) in enumerate(jobs) if spec.mode == "disaggregated"]
+    aggregated = [i for i, (spec, _) in enumerate(jobs) if spec.mode != "disaggregated"]
+    done: dict[int, RunResult] = {}
+    with ThreadPoolExecutor(max_workers=1) as lane:
+        remote = lane.submit(lambda: [execute(i) for i in disaggregated])
+        try:
+            done.update(execute(i) for i in aggregated)
+        finally:
+            done.update(remote.result())  # waits for the ranks; raises what they raised
+    results = [done[i] for i in range(len(jobs))]
     pair_runs(results)
     pair_reuse_runs(results)
     return results
+
+
+def _result(scenario: Scenario, spec, sizing: MirrorSizing, stats, references, bar: "_Progress") -> RunResult:
+    """One table row from a run's stats."""
+    setup = spec.setup_for(scenario.setup)
+    reference = references[setup.max_new_tokens]
+    keys = spec.prompt_keys()
+    ctx = stats.context_worker or RunStats()  # disaggregated: the context worker's checker counts too
+    matches = None
+    if stats.outputs:
+        matches = all(reference.get(keys[rid]) == out for rid, out in stats.outputs.items())
+    return RunResult(
+        name=spec.name,
+        sizing=sizing.value,
+        mode=spec.mode,
+        prompt_tokens=list(spec.prompt_lengths),
+        finished=stats.finished,
+        resize_failures=stats.resize_failures,
+        refused_requests=stats.refused_requests,
+        first_error=stats.first_error,
+        foreign_page_accesses=stats.foreign_page_accesses + ctx.foreign_page_accesses,
+        stale_reads=stats.stale_reads + ctx.stale_reads,
+        unbacked_accesses=stats.unbacked_accesses + ctx.unbacked_accesses,
+        accounting_errors=stats.accounting_errors + ctx.accounting_errors,
+        slot_reseeds=stats.slot_reseeds,
+        max_seed_lag_tokens=stats.max_seed_lag_tokens,
+        peak_draft_pages_per_request=stats.peak_draft_pages_per_request,
+        estimated_draft_pages_per_request=draft_pages_per_request(setup),
+        acceptance_length=round(stats.acceptance_length, 3),
+        output_matches_target=matches,
+        skipped_warmups=stats.skipped_warmups,
+        tokens_per_s=round(stats.tokens_per_s, 1),
+        wall_s=round(stats.wall_s, 2),
+        drafter_handoff=(
+            handoff_for(setup, sizing).mode.value if spec.mode == "disaggregated" else None
+        ),
+        drafter_bytes_sent=stats.drafter_bytes_sent,
+        full_drafter_bytes=stats.full_drafter_bytes,
+        handoff_seeds=stats.handoff_seeds,
+        reseeds_without_handoff=stats.reseeds_without_handoff,
+        handoff_fallbacks=stats.handoff_fallbacks,
+        block_reuse=setup.block_reuse,
+        shared_prefix=spec.shared_prefix,
+        reused_tokens=[stats.reused_tokens.get(rid, 0) for rid in range(len(spec.prompts))],
+        prefill_tokens_saved=stats.prefill_tokens_saved,
+        pages_held_at_end=stats.pages_held_by_both,
+        shared_page_writes=stats.shared_page_writes + ctx.shared_page_writes,
+        reused_positions_checked=stats.reused_positions_checked + ctx.reused_positions_checked,
+        cached_free_pages_at_end=stats.cached_free_pages_at_end + (
+            stats.context_worker.cached_free_pages_at_end if stats.context_worker else 0
+        ),
+        draft_pool_occupancy=stats.draft_pool_occupancy,
+        setup=setup,
+        max_concurrency=spec.max_concurrency,
+        plot_trace=PlotTrace(bar.foreign_per_step, setup.pool_requests * draft_pages_per_request(setup)),
+    )
 
 
 def pair_runs(results: list[RunResult]) -> None:
