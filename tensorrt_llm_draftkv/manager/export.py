@@ -119,17 +119,26 @@ def _fill(manager: KVCacheManagerV2, p: int, backend: str) -> int | None:
 
 
 def block_offset_array(
-    manager: KVCacheManagerV2, ids: list[int], caches: list[KVCache], backend: str, width: int, width_label: str
+    manager: KVCacheManagerV2,
+    ids: list[int],
+    caches: list[KVCache],
+    backend: str,
+    width: int,
+    width_label: str,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """int32 `[num_pools, len(ids), 2, width]` offsets (see `get_block_offsets`); changes no row.
 
-    Cost: the fill of the output plus one copy per row, and each row's entries
-    converted only where they changed since the last export of that row.
+    `out`: an int32 array of that shape (a view of the caller's tensor, say) to
+    write into instead of a new one. Cost: one copy per row and pool, and each
+    row's entries converted only where they changed since the last export of
+    that row. Every check runs before the first write.
     """
     kv = manager.config.kv_factor
     v_slot = 1 if kv > 1 else 0  # a K-only pool (kv_factor 1) has no separate V slot
     _check_width(manager, ids, caches, width, width_label)
-    out = np.empty((manager.num_pools, len(ids), 2, width), dtype=np.int32)  # each entry written once
+    if out is None:
+        out = np.empty((manager.num_pools, len(ids), 2, width), dtype=np.int32)  # each entry written once
     for p in range(manager.num_pools):
         fill = _fill(manager, p, backend)
         k_fill = BAD_PAGE_INDEX if fill is None else fill
@@ -216,9 +225,13 @@ def copy_batch_block_offsets(
     width, width_label = _check_copy_args(self, dst_tensor, ids, beam_width, num_contexts, num_seqs, max_blocks)
     self._require_caches(ids, "copy_batch_block_offsets")
     caches = [self._caches[rid] for rid in ids]
-    out = block_offset_array(self, ids, caches, "cpp", width, width_label)
-    if num_seqs:
-        dst_tensor[:, :num_seqs, :, :width].copy_(torch.from_numpy(out))
+    if not num_seqs:
+        return
+    if dst_tensor.device.type == "cpu":
+        # Straight into the caller's tensor: no staging array, and its pages are already faulted in.
+        block_offset_array(self, ids, caches, "cpp", width, width_label, out=dst_tensor[:, :num_seqs, :, :width].numpy())
+    else:
+        dst_tensor[:, :num_seqs, :, :width].copy_(torch.from_numpy(block_offset_array(self, ids, caches, "cpp", width, width_label)))
 
 
 def _check_copy_args(
