@@ -276,3 +276,30 @@ def test_a_payload_that_does_not_match_its_header_is_refused_and_every_cache_fre
     assert gen.speculator.meta.slots.pending_context_seed(0) is None and gen.scheduler.active == []
     admit_transfer(item, gen)  # the well-formed transfer of the same request still goes in
     assert gen.run().finished == 1
+
+
+def test_over_the_wire_the_written_pages_are_the_backed_window_and_the_pool_holds_what_was_sent():
+    """Two processes over gloo: the generation worker's drafter writes exactly its mirror's backed pages
+    below the prompt end, and afterwards its pool holds, bit for bit, the drafter context the context
+    worker read from its own pool and sent (digests compared here, in the parent)."""
+    from functools import partial
+
+    from support import handoff_probe_rank
+
+    from tensorrt_llm_draftkv.sim.disagg import run_disaggregated
+    from tensorrt_llm_draftkv.sim.simulate import _prompts, warmup_tokens
+
+    prompts = (301, 777, 1024)
+    spec = RunSpec("probe", "disaggregated", prompts, 2)
+    build = partial(
+        handoff_probe_rank, setup=SMALL, sizing=HISTORY, max_concurrency=2, slots=SMALL.drafter_slots,
+        warmup=warmup_tokens(SMALL, prompts),
+    )
+    stats = run_disaggregated(build, _prompts(SMALL, spec), backend="gloo")
+    assert stats.finished == len(prompts) and stats.handoff_seeds == len(prompts), stats.first_error
+    sent, received = stats.context_worker.handoff_probe, stats.handoff_probe
+    assert sorted(sent) == sorted(received) == list(range(len(prompts)))
+    for rid in sent:
+        exact, backed, read_back = received[rid]
+        assert exact and backed > 0, f"request {rid}: pages written differ from the backed window"
+        assert read_back == sent[rid], f"request {rid}: the pool does not hold what the context worker sent"
