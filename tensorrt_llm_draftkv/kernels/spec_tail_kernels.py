@@ -30,7 +30,7 @@ On CUDA a launch goes through the fast launcher (``_launch.py``): the compiled
 kernel is bound once per launch class and then launched directly on the current
 stream, without Triton's per-call binding; ``fast_launch=False`` (or
 ``DRAFTKV_FAST_LAUNCH=0``) takes Triton's normal path. The one-pass form also
-remembers each checked call signature (``_plan_key``), so a repeated call with
+remembers each checked call signature (``_one_pass_plans.plan_key``), so a repeated call with
 the same shapes, dtypes, strides and output tensors skips the checks and the
 launch sizing as well.
 
@@ -44,12 +44,12 @@ from __future__ import annotations
 
 import collections
 import os
-import weakref
 from typing import Any, Optional, Sequence
 
 import torch
 
 from . import _launch as _fl
+from . import _one_pass_plans as _plans
 from ._checks import (
     check_decode,
     check_impl,
@@ -120,7 +120,7 @@ def _launch(
 ) -> None:
     """One launch of kernel ``name``: interpreted on CPU, else compiled (fast path if allowed).
 
-    ``plan_key``: the one-pass form's call signature (see :func:`_plan_key`);
+    ``plan_key``: the one-pass form's call signature (see :func:`._one_pass_plans.plan_key`);
     when given, the compiled kernel and launch sizes are remembered under it.
     """
     interpreted = device.type != "cuda"
@@ -136,7 +136,7 @@ def _launch(
         if fast and _fl.ENABLED:
             ck = _fl.launch_fast(kern, index, grid, args, meta)
             if plan_key is not None and ck is not None:
-                _remember_plan(plan_key, ck, index, grid, args, meta, kern)
+                _plans.remember_plan(plan_key, ck, index, grid, args, meta, kern)
         else:
             _fl.launch_normal(kern, grid, args, meta)
     else:  # Triton compiles and launches for the current device
@@ -399,9 +399,10 @@ def _prepare_one_pass(
 ) -> PagedLatentPrep:
     """The one-pass form of :func:`prepare_paged_latent` (checks, dispatch, the launch)."""
     if fast_launch and out is not None and impl != "reference" and _fl.ENABLED:
-        plan_key = _plan_key(block_offsets, vectors, out, tables, extents, pool_idx, divisor, backend,
-                             block_size, tokens_per_block, max_new, block, num_warps, split)
-        if plan_key is not None and _launch_planned(plan_key, block_offsets, vectors, out, max_ctx):
+        plan_key = _plans.plan_key(block_offsets, vectors, out, tables, extents, pool_idx, divisor, backend,
+                                   block_size, tokens_per_block, max_new, block, num_warps, split)
+        if plan_key is not None and _plans.launch_planned(plan_key, block_offsets, vectors, out, max_ctx):
+            LAUNCH_COUNTS["prepare_paged_latent_one_pass"] += 1
             return out
     else:
         plan_key = None
@@ -519,107 +520,6 @@ def _launch_prepare(
         NBLOCK=next_pow2(max(max_new, 1)),
         num_warps=warps or warps_for(blk),
     )
-
-
-# --------------------------------------------------------------------------- one-pass fast plans
-#: call signature of a checked one-pass call -> (kernel, stream device, grid, int args, constexprs)
-_PLANS: dict[tuple, tuple] = {}
-_PLAN_LIMIT = 4096  # a bound on distinct signatures kept (plans are tiny)
-if HAVE_TRITON:
-    _fl._ON_CLEAR.append(_PLANS.clear)
-
-
-def _plan_key(
-    block_offsets: Optional[torch.Tensor],
-    vectors: tuple[torch.Tensor, ...],
-    out: PagedLatentPrep,
-    tables: Optional[torch.Tensor],
-    extents: Optional[torch.Tensor],
-    pool_idx: Any,
-    divisor: Any,
-    backend: Any,
-    block_size: Any,
-    tokens_per_block: Any,
-    max_new: Any,
-    block: Any,
-    num_warps: Any,
-    split: Any,
-) -> Optional[tuple]:
-    """Everything the checks and the launch sizing of a one-pass call depend on, except ``max_ctx``.
-
-    Two calls with equal keys pass the same checks and launch the same compiled
-    kernel on the same grid; only data pointers and ``max_ctx`` differ. Inputs
-    enter by dtype, shape, strides and device; the preallocated outputs by
-    identity (the plan holds weak references to them, so an id is never
-    mistaken for a dead tensor's; an output whose shape is changed in place with
-    ``resize_``/``set_`` after it was checked is not checked again). ``None``
-    when the call is not eligible (then the checked path runs and raises the
-    documented errors).
-    """
-    if block_offsets is None or tables is not None or extents is not None or out.extents is None:
-        return None
-    if not (type(block_offsets) is torch.Tensor and block_offsets.is_cuda):
-        return None
-    sid, ctx, base, n = vectors
-    o = out
-    try:
-        return (
-            block_offsets.dtype, block_offsets.shape, block_offsets.stride(), block_offsets.get_device(),
-            sid.dtype, sid.shape, sid.stride(), sid.get_device(),
-            ctx.dtype, ctx.shape, ctx.stride(), ctx.get_device(),
-            base.dtype, base.shape, base.stride(), base.get_device(),
-            n.dtype, n.shape, n.stride(), n.get_device(),
-            # outputs by identity: the plan keeps weak references and re-checks them
-            id(o.read_rows), id(o.read_lens), id(o.query_pos), id(o.store_pages),
-            id(o.store_offsets), id(o.new_ctx_len), id(o.shift), id(o.extents),
-            type(pool_idx), pool_idx, type(divisor), divisor, backend,
-            type(block_size), block_size, type(tokens_per_block), tokens_per_block, type(max_new), max_new,
-            block, num_warps, split,
-        )
-    except (AttributeError, TypeError):  # not tensors: the checked path says what is wrong
-        return None
-
-
-def _remember_plan(key: tuple, ck: Any, index: int, grid: tuple, args: Sequence, meta: dict, kern: Any) -> None:
-    ints = tuple(a for a in args if not isinstance(a, torch.Tensor))
-    outs = tuple(weakref.ref(t) for t in args[5:13])
-    order = tuple(kern.arg_names[len(args):])
-    consts = tuple(meta[name] for name in order)
-    rows_aligned = (args[5].data_ptr() & 15) == 0
-    if len(_PLANS) >= _PLAN_LIMIT:
-        _PLANS.clear()
-    _PLANS[key + (rows_aligned, -(2**31) <= int(args[19]) < 2**31)] = (ck, index, grid, ints, consts, outs)
-
-
-def _launch_planned(
-    key: tuple, block_offsets: torch.Tensor, vectors: tuple[torch.Tensor, ...], out: PagedLatentPrep, max_ctx: Any
-) -> bool:
-    """Launch a one-pass call whose signature was checked before; ``False`` if it was not."""
-    if type(max_ctx) is not int or max_ctx < 0 or _fl._hooked():
-        return False
-    rows = out.read_rows.data_ptr()
-    plan = _PLANS.get(key + ((rows & 15) == 0, max_ctx < 2**31))
-    if plan is None:
-        return False
-    ck, index, grid, ints, consts, outs = plan
-    o = out
-    if (
-        outs[0]() is not o.read_rows or outs[1]() is not o.read_lens or outs[2]() is not o.query_pos
-        or outs[3]() is not o.store_pages or outs[4]() is not o.store_offsets or outs[5]() is not o.new_ctx_len
-        or outs[6]() is not o.shift or outs[7]() is not o.extents or torch.cuda.current_device() != index
-    ):
-        return False
-    sid, ctx, base, n = vectors
-    LAUNCH_COUNTS["prepare_paged_latent_one_pass"] += 1
-    # ints: M, rows_q, pool_off, s_ob, s_om, divisor, max_ctx, block_size, max_new
-    ck.run(
-        grid[0], grid[1], 1, _fl._raw_stream(index), ck.function, ck.packed_metadata, None, None, None,
-        block_offsets.data_ptr(), sid.data_ptr(), ctx.data_ptr(), base.data_ptr(), n.data_ptr(),
-        rows, out.read_lens.data_ptr(), out.query_pos.data_ptr(), out.store_pages.data_ptr(),
-        out.store_offsets.data_ptr(), out.new_ctx_len.data_ptr(), out.shift.data_ptr(), out.extents.data_ptr(),
-        ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], max_ctx, ints[7], ints[8], *consts,
-    )
-    return True
 
 
 __all__ = [
