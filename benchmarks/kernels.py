@@ -55,6 +55,7 @@ import torch  # noqa: E402
 
 from benchmarks.eager_baseline import eager_step_from_offsets  # noqa: E402
 from tensorrt_llm_draftkv import kernels as K  # noqa: E402
+from tensorrt_llm_draftkv.kernels._checks import one_pass_config  # noqa: E402
 
 BATCHES = (1, 8, 64, 256, 1024)
 MAX_BLOCKS = (128, 2048, 16384)
@@ -67,6 +68,7 @@ NUM_POOLS, POOL, DIVISOR, BACKEND = 2, 1, 2, "python"
 SWEEP_SIZES = ((8, 16384), (256, 2048), (1024, 16384))
 SWEEP_CONFIGS = ((None, None), (1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16))
 SWEEP_CONFIGS_QUICK = ((None, None), (2048, 4), (4096, 8))
+GRAPH_ROUNDS = 3
 
 Step = tuple[torch.Tensor, tuple[torch.Tensor, ...], dict[str, int]]
 
@@ -124,6 +126,8 @@ class Paths:
         self.bt = K.BlockTables(
             torch.empty((B, M), dtype=torch.int32, device=dev), torch.empty((B,), dtype=torch.int64, device=dev)
         )
+        self.bound = K.BoundPreparation(self.off, *self.vectors, out=self.out, **self.kw, pool_idx=POOL,
+                                        divisor=DIVISOR, backend=BACKEND, impl=impl)
 
     def one_pass(self, fast_launch: bool = True, **tune: Any) -> K.PagedLatentPrep:
         return K.prepare_paged_latent(
@@ -147,7 +151,10 @@ class Paths:
         """Every timed path gives the reference's results (a wrong kernel is not timed)."""
         want = K.prepare_paged_latent_one_pass_reference(self.off, POOL, DIVISOR, BACKEND, *self.vectors, **self.kw)
         for name, fn in (("one-pass", self.one_pass), ("one-pass normal", self.one_pass_normal),
-                         ("two-step", self.two_step), ("eager", self.eager)):
+                         ("two-step", self.two_step), ("eager", self.eager), ("bound", self.bound),
+                         ("bound again", self.bound),
+                         ("rows tiles", lambda: self.one_pass(source_tiles=False)),
+                         ("source tiles", lambda: self.one_pass(source_tiles=True))):
             for t in (*self.out.tensors().values(), *self.two.tensors().values(), *self.bt):
                 t.fill_(-7)  # poison: each path must write every element itself
             got = fn()
@@ -239,20 +246,29 @@ def bench_cuda(batches, max_blocks, sweep_configs, with_launches: bool = True) -
             dst = torch.empty_like(src)
             copy = lambda: dst.copy_(src)  # noqa: E731
             g_one, g_two, g_copy = capture(paths.one_pass), capture(paths.two_step), capture(copy)
+            g_rows = capture(lambda: paths.one_pass(source_tiles=False))
+            g_src = capture(lambda: paths.one_pass(source_tiles=True))
             r = dict(B=B, M=M, bytes=nbytes)
+            r["default_source_tiles"] = one_pass_config(B, M, dev, None, None, None)[4]
+            # the graph ratios are small differences of a few µs: interleave rounds, keep the median round
+            rounds = [[bench(g.replay) for g in (g_one, g_copy, g_rows, g_src)] for _ in range(GRAPH_ROUNDS)]
+            one_g, copy_g, rows_g, src_g = (statistics.median(col) for col in zip(*rounds))
             r["one_pass_us"] = bench(paths.one_pass)
-            r["one_pass_graph_us"] = bench(g_one.replay)
+            r["bound_us"] = bench(paths.bound)
+            r["one_pass_graph_us"] = one_g
+            r["rows_tiles_graph_us"], r["source_tiles_graph_us"] = rows_g, src_g
             r["two_step_us"] = bench(paths.two_step)
             r["two_step_graph_us"] = bench(g_two.replay)
             r["eager_us"] = bench(paths.eager)
             r["copy_us"] = bench(copy)
-            r["copy_graph_us"] = bench(g_copy.replay)
+            r["copy_graph_us"] = copy_g
             r["graph_vs_copy"] = r["one_pass_graph_us"] / r["copy_graph_us"]
             r["direct_vs_copy"] = r["one_pass_us"] / r["copy_us"]
             r["two_step_graph_vs_copy"] = r["two_step_graph_us"] / r["copy_graph_us"]
             r["eager_vs_one_pass_graph"] = r["eager_us"] / r["one_pass_graph_us"]
             r["one_pass_graph_gbs"] = nbytes / (r["one_pass_graph_us"] * 1e-6) / 1e9
             r["host_one_pass_fast_us"] = host_us(paths.one_pass)
+            r["host_bound_us"] = host_us(paths.bound)
             r["host_one_pass_normal_us"] = host_us(paths.one_pass_normal)
             r["host_two_step_us"] = host_us(paths.two_step)
             r["host_copy_us"] = host_us(copy)
@@ -265,7 +281,7 @@ def bench_cuda(batches, max_blocks, sweep_configs, with_launches: bool = True) -
                     launches[name], launches[name + "_copies"] = count_launches(fn)
             if (B, M) in SWEEP_SIZES:
                 sweep.extend(sweep_cuda(paths, nbytes, r["copy_graph_us"], sweep_configs, bench))
-            del g_one, g_two, g_copy, src, dst
+            del g_one, g_two, g_copy, g_rows, g_src, src, dst
     return dict(prepare=rows, sweep=sweep, launches=launches)
 
 
@@ -344,13 +360,23 @@ def print_report(result: dict) -> None:
     for r in result["prepare"]:
         print(fmt_row(r))
     if result["prepare"] and "host_one_pass_fast_us" in result["prepare"][0]:
-        print("\nhost µs per call (back-to-back calls, no sync)")
-        print("|    B |     M | one-pass fast | one-pass normal | two-step | copy_ | graph replay |")
-        print("|-----:|------:|--------------:|----------------:|---------:|------:|-------------:|")
+        print("\nhost µs per call (back-to-back calls, no sync); bound: kernels.BoundPreparation")
+        print("|    B |     M | bound | one-pass fast | one-pass normal | two-step | copy_ | graph replay |")
+        print("|-----:|------:|------:|--------------:|----------------:|---------:|------:|-------------:|")
         for r in result["prepare"]:
-            print(f"| {r['B']:4d} | {r['M']:5d} | {r['host_one_pass_fast_us']:13.1f} | "
+            print(f"| {r['B']:4d} | {r['M']:5d} | {r['host_bound_us']:5.1f} | {r['host_one_pass_fast_us']:13.1f} | "
                   f"{r['host_one_pass_normal_us']:15.1f} | {r['host_two_step_us']:8.1f} | {r['host_copy_us']:5.1f} | "
                   f"{r['host_graph_replay_us']:12.1f} |")
+        print(f"\none-pass tilings under graph replay (median of {GRAPH_ROUNDS} interleaved rounds), "
+              "and the bound step called directly")
+        print("|    B |     M | copy µs | rows tiles µs | / copy | source tiles µs | / copy | default | bound direct µs |")
+        print("|-----:|------:|--------:|--------------:|-------:|----------------:|-------:|--------:|----------------:|")
+        for r in result["prepare"]:
+            c = r["copy_graph_us"]
+            d = "source" if r.get("default_source_tiles") else "rows"
+            print(f"| {r['B']:4d} | {r['M']:5d} | {c:7.1f} | {r['rows_tiles_graph_us']:13.1f} | "
+                  f"{r['rows_tiles_graph_us'] / c:5.2f}x | {r['source_tiles_graph_us']:15.1f} | "
+                  f"{r['source_tiles_graph_us'] / c:5.2f}x | {d:>7} | {r['bound_us']:15.1f} |")
     if result.get("sweep"):
         print("\none-pass kernel, BLOCK x num_warps under graph replay (default: kernels._checks.one_pass_config)")
         print("|    B |     M |   BLOCK | warps | graph µs | / copy (graph) |  GB/s |")

@@ -5,9 +5,11 @@ tables and extents; ``rebase_block_table`` shifts rows past their base pages;
 ``prepare_paged_latent`` does a DFlash generation step's whole preparation in
 one launch, from decoded tables (two-step form) or straight from the exported
 block offsets (one-pass form: decode, extents, rebase and preparation in one
-pass). Each has a ``*_reference`` twin in plain torch; see ``spec_tail_kernels.py`` for
+pass); ``BoundPreparation`` relaunches one one-pass call over fixed tensors
+without re-checking it. Each has a ``*_reference`` twin in plain torch; see ``spec_tail_kernels.py`` for
 the coordinates and the dispatch rules.
 """
+from .bound import BoundPreparation
 from .spec_tail_kernels import (
     HAVE_TRITON,
     LAUNCH_COUNTS,
@@ -24,6 +26,7 @@ from .spec_tail_kernels import (
 )
 
 __all__ = [
+    "BoundPreparation",
     "HAVE_TRITON",
     "LAUNCH_COUNTS",
     "BlockTables",

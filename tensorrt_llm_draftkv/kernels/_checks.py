@@ -273,6 +273,7 @@ def check_one_pass(
 
 # --------------------------------------------------------------------------- one-pass launch sizing
 _ONE_PASS_MAX_BLOCK = 4096
+_SRC_TILES_MAX_ENTRIES = 1 << 19  # B * M up to 256 x 2048: latency-bound on an H200
 _sm_counts: dict[int, int] = {}
 
 
@@ -291,8 +292,9 @@ def one_pass_config(
     block: Optional[int],
     warps: Optional[int],
     split: Optional[int],
-) -> tuple[int, int, int, int]:
-    """``(BLOCK, SPLIT, num_warps, SCAN)`` of the one-pass kernel for ``B`` rows of ``M`` ordinals.
+    source_tiles: Optional[bool] = None,
+) -> tuple[int, int, int, int, bool]:
+    """``(BLOCK, SPLIT, num_warps, SCAN, SRC_TILES)`` of the one-pass kernel for ``B`` rows of ``M`` ordinals.
 
     Default: one program per row looping over the row in tiles of up to 4096
     ordinals (each offset read once). With fewer rows than the GPU has SMs, a
@@ -301,6 +303,10 @@ def one_pass_config(
     ordinals; program 0 of a row then finds the extent by scanning back from
     the row's end, ``SCAN`` ordinals per step (the tile, widened to up to
     8192 ordinals on CUDA).
+    ``SRC_TILES`` (tiles over source ordinals, the first load issued before the
+    slot state is known) by default when the whole launch moves at most
+    ``_SRC_TILES_MAX_ENTRIES`` offsets: there a dependent round trip costs more
+    than the ``[0, base)`` entries it also reads.
     Interpreted (CPU): one tile per row, one program per row.
     """
     if block is not None and (block < 1 or block & (block - 1)):
@@ -309,9 +315,11 @@ def one_pass_config(
         raise ValueError(f"num_warps must be a power of two in [1, 32], got {warps}")
     if split is not None and split < 1:
         raise ValueError(f"split must be >= 1, got {split}")
+    if source_tiles is None:
+        source_tiles = B * M <= _SRC_TILES_MAX_ENTRIES
     if dev.type != "cuda":
         blk = block or min(max(next_pow2(M), 16), _ONE_PASS_MAX_BLOCK)
-        return blk, split or 1, warps or 1, blk
+        return blk, split or 1, warps or 1, blk, bool(source_tiles)
     sms = _sm_count(dev)
     want = 2 * sms  # programs that keep every SM busy
     if block is not None:
@@ -330,4 +338,4 @@ def one_pass_config(
     # split rows: program 0's first span covers the row's last 8192 ordinals, one round trip
     scan = max(blk, min(2 * _ONE_PASS_MAX_BLOCK if split > 1 else _ONE_PASS_MAX_BLOCK, next_pow2(M)))
     # warps sized for the widest load a program makes (the scan's, when split)
-    return blk, split, warps or max(1, min(16, (scan if split > 1 else blk) // 256)), scan
+    return blk, split, warps or max(1, min(16, (scan if split > 1 else blk) // 256)), scan, bool(source_tiles)

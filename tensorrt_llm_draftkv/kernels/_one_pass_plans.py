@@ -111,3 +111,28 @@ def launch_planned(
         ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], max_ctx, ints[7], ints[8], *consts,
     )
     return True
+
+
+def bound_launch(
+    key: tuple, block_offsets: torch.Tensor, vectors: tuple[torch.Tensor, ...], out: PagedLatentPrep, max_ctx: int
+) -> Optional[tuple[Any, tuple[int, int], int, tuple]]:
+    """``(run, grid, device index, args after the stream)`` of a checked plan, every pointer resolved now.
+
+    For a caller that launches the very same tensors again and again (static
+    buffers): ``run(grid[0], grid[1], 1, stream, *args)`` is then the whole
+    launch. ``None`` when no plan matches (nothing was launched through one yet).
+    """
+    plan = _PLANS.get(key + ((out.read_rows.data_ptr() & 15) == 0, max_ctx < 2**31))
+    if plan is None:
+        return None
+    ck, index, grid, ints, consts, _ = plan
+    sid, ctx, base, n = vectors
+    o = out
+    args = (
+        ck.function, ck.packed_metadata, None, None, None,
+        block_offsets.data_ptr(), sid.data_ptr(), ctx.data_ptr(), base.data_ptr(), n.data_ptr(),
+        o.read_rows.data_ptr(), o.read_lens.data_ptr(), o.query_pos.data_ptr(), o.store_pages.data_ptr(),
+        o.store_offsets.data_ptr(), o.new_ctx_len.data_ptr(), o.shift.data_ptr(), o.extents.data_ptr(),
+        ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], max_ctx, ints[7], ints[8], *consts,
+    )
+    return ck.run, grid, index, args

@@ -9,9 +9,9 @@ wrapped twice, lazily, by :func:`get_kernel`:
 independently of whether ``TRITON_INTERPRET`` was set when this module was
 imported. The dispatch policy (which one runs when) lives in ``spec_tail_kernels.py``.
 
-Layout conventions shared by the three two-step kernels (the one-pass kernel,
-``_one_pass_kernel``, documents its own: a program per row, or a few per long
-row, looping over tiles):
+Layout conventions shared by the three two-step kernels (the one-pass kernel
+lives in ``_one_pass_kernel.py`` and documents its own: a program per row, or a
+few per long row, looping over tiles):
 
 * grid axis 0 is the batch row ``b``; grid axis 1 is a chunk of ``BLOCK``
   consecutive block ordinals of that row;
@@ -181,174 +181,10 @@ def _prepare_kernel(
         tl.store(soff_ptr + row * max_new + i, off.to(tl.int32), mask=in_out)
 
 
-def _one_pass_kernel(
-    off_ptr,  # block_offsets [num_pools, B_exported, 2, M] (int32/int64, any strides); K half read
-    slot_ptr,  # [B] slot id per row
-    ctx_ptr,  # [num_slots] slot context length L (absolute positions)
-    basep_ptr,  # [num_slots] slot base pages
-    new_ptr,  # [B] accepted tokens stored this step
-    rows_ptr,  # out: int32 [B, M] contiguous, rebased read table
-    lens_ptr,  # out: int64 [B]
-    qpos_ptr,  # out: int64 [B, block_size]
-    spage_ptr,  # out: int32 [B, max_new]
-    soff_ptr,  # out: int32 [B, max_new]
-    nctx_ptr,  # out: int64 [B]
-    shift_ptr,  # out: int64 [B]
-    ext_ptr,  # out: int64 [B], extents of the unrebased rows
-    M,
-    rows_q,  # M // ROW_ALIGN: output row stride in units of ROW_ALIGN ordinals
-    pool_off,  # element offset of block_offsets[pool_idx, 0, 0, 0]
-    s_ob,  # element stride between rows of one pool
-    s_om,  # element stride between ordinals
-    divisor,
-    max_ctx,
-    block_size,
-    max_new,
-    P: tl.constexpr,
-    BLOCK: tl.constexpr,
-    SCAN: tl.constexpr,
-    QBLOCK: tl.constexpr,
-    NBLOCK: tl.constexpr,
-    SPLIT: tl.constexpr,
-    ROW_ALIGN: tl.constexpr,
-    DIV_SHIFT: tl.constexpr,
-    UNIT_COL: tl.constexpr,
-    WIDE_COL: tl.constexpr,
-    FULL_ROWS: tl.constexpr,
-    COMPILED: tl.constexpr,
-):
-    """Decode + extent + rebase + step preparation of one pool, one pass over the rows.
-
-    Grid ``(B, SPLIT)``. Program ``(b, part)`` writes read-table ordinals
-    ``[t*BLOCK, (t+1)*BLOCK)`` for every tile ``t = part, part + SPLIT, ...``:
-    ``read_rows[b, j] = page(offsets[b, base' + j])`` with ``base' =
-    clamp(base, 0, M)``. That needs no extent: with the ``"python"`` export
-    every ordinal at or past the extent holds -1 anyway, and with ``"cpp"`` the
-    extent is ``M``. The extent only enters the per-row scalars, which
-    program ``part == 0`` writes:
-
-    * ``SPLIT == 1`` (one program per row): the extent is accumulated while the
-      row is copied, so each offset is read once; only a row with no backed
-      ordinal at or above its base also scans ``[0, base')`` (backwards, stops at
-      the first backed entry).
-    * ``SPLIT > 1`` (few rows, long rows): program 0 scans the row backwards from
-      its end, ``SCAN`` ordinals at a time (wider than a tile: fewer dependent
-      round trips), and stops at the first span holding a backed entry. The
-      first span is loaded before anything else, so for most rows the scan
-      costs no round trip of its own.
-
-    Every program loads its row's slot state; program 0 also writes the
-    scalars that need only ``L`` and ``n`` before it copies its tiles.
-    """
-    row = tl.program_id(0)
-    part = tl.program_id(1)
-    first = part == 0  # the program that writes the row's scalars
-    row64 = row.to(tl.int64)
-    # row starts in int64 (a strided parent may exceed 2**31 elements); columns stay int32
-    k_row = off_ptr + (pool_off + row64 * s_ob)
-    if not FULL_ROWS:
-        if SPLIT > 1:
-            # program 0's first scan span, the row's last SCAN ordinals: it needs no slot
-            # state, so it is issued first and its round trip overlaps the slot loads
-            c0 = M - SCAN + tl.arange(0, SCAN)
-            if UNIT_COL:
-                v0 = tl.load(k_row + c0, mask=(c0 >= 0) & first, other=-1)
-            else:
-                v0 = tl.load(k_row + c0.to(tl.int64) * s_om, mask=(c0 >= 0) & first, other=-1)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    n = tl.load(new_ptr + row).to(tl.int64)
-    base = tl.load(basep_ptr + slot).to(tl.int64)
-    L = tl.load(ctx_ptr + slot).to(tl.int64)
-
-    # What needs only L and n is written first (program 0): new length, query
-    # positions, and the store targets in UNREBASED ordinals (slot position pos
-    # -> ordinal pos // P), decoded from the offsets directly (a few entries).
-    mc = max_ctx.to(tl.int64)
-    new_ctx = tl.minimum(L + n, mc)
-    tl.store(nctx_ptr + row, new_ctx, mask=first)
-    q = tl.arange(0, QBLOCK)
-    tl.store(qpos_ptr + row64 * block_size + q, new_ctx + q, mask=(q < block_size) & first)
-    i = tl.arange(0, NBLOCK)
-    in_out = (i < max_new) & first
-    pos = L + i
-    valid = in_out & (i < n) & (pos < mc) & (pos >= 0)
-    ordinal = pos // P
-    in_table = valid & (ordinal < M)
-    raw_s = tl.load(k_row + ordinal * s_om, mask=in_table, other=-1)
-    pg = tl.where(in_table & (raw_s >= 0), raw_s // divisor, -1)
-    off = tl.where(valid, pos % P, -1)
-    tl.store(spage_ptr + row64 * max_new + i, pg.to(tl.int32), mask=in_out)
-    tl.store(soff_ptr + row64 * max_new + i, off.to(tl.int32), mask=in_out)
-
-    # The read table: read_rows[b, j] = page(offsets[b, base' + j]), base' = clamp(base, 0, M).
-    base_c = tl.minimum(tl.maximum(base, 0), M).to(tl.int32)
-    out_row = rows_ptr + (row64 * rows_q) * ROW_ALIGN
-    m_out = rows_q * ROW_ALIGN  # == M; written so the store masks are known ROW_ALIGN-aligned (vector stores)
-    acc = tl.zeros([BLOCK], dtype=tl.int32)  # one past each backed source ordinal seen
-    for start in range(part * BLOCK, M, SPLIT * BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        src = base_c + cols
-        if UNIT_COL:
-            raw = tl.load(k_row + src, mask=src < M, other=-1)
-        elif WIDE_COL:  # (M - 1) * s_om does not fit in int32
-            raw = tl.load(k_row + src.to(tl.int64) * s_om, mask=src < M, other=-1)
-        else:
-            raw = tl.load(k_row + src * s_om, mask=src < M, other=-1)
-        backed = raw >= 0
-        if DIV_SHIFT >= 0:
-            page = tl.where(backed, raw >> DIV_SHIFT, -1)
-        else:
-            page = tl.where(backed, raw // divisor, -1)
-        tl.store(out_row + cols, page.to(tl.int32), mask=cols < m_out)
-        if SPLIT == 1:
-            if not FULL_ROWS:
-                acc = tl.maximum(acc, tl.where(backed, src + 1, 0))
-
-    if part == 0:
-        if FULL_ROWS:
-            # cpp export: unbacked entries look like real pages, every row counts full
-            ext = M + row * 0
-        else:
-            if SPLIT == 1:
-                if COMPILED:
-                    ext = tl.reduce(acc, 0, _max_combine)
-                else:
-                    ext = tl.max(acc, axis=0)
-                top = base_c  # only [0, base') is left unread
-            else:
-                one_past0 = tl.where(v0 >= 0, c0 + 1, 0)
-                if COMPILED:
-                    ext = tl.reduce(one_past0, 0, _max_combine)
-                else:
-                    ext = tl.max(one_past0, axis=0)
-                top = M - SCAN + row * 0  # [0, M - SCAN) is left unread
-            # backward scan of [0, top) one SCAN-wide span at a time; skipped when ext is known
-            start = top - SCAN
-            while (start > -SCAN) & (ext == 0):
-                c = start + tl.arange(0, SCAN)
-                if UNIT_COL:
-                    v = tl.load(k_row + c, mask=(c >= 0) & (c < top), other=-1)
-                else:
-                    v = tl.load(k_row + c.to(tl.int64) * s_om, mask=(c >= 0) & (c < top), other=-1)
-                one_past = tl.where(v >= 0, c + 1, 0)
-                if COMPILED:
-                    ext = tl.reduce(one_past, 0, _max_combine)
-                else:
-                    ext = tl.max(one_past, axis=0)
-                start -= SCAN
-        ext = ext.to(tl.int64)
-        shift = tl.maximum(tl.minimum(base, ext), 0)
-        lens = tl.minimum(tl.maximum(new_ctx - base * P, 0), (ext - shift) * P)
-        tl.store(ext_ptr + row, ext)
-        tl.store(shift_ptr + row, shift)
-        tl.store(lens_ptr + row, lens)
-
-
 _BODIES = {
     "decode_draft_block_table": _decode_kernel,
     "rebase_block_table": _rebase_kernel,
     "prepare_paged_latent": _prepare_kernel,
-    "prepare_paged_latent_one_pass": _one_pass_kernel,
 }
 
 # ``max_ctx`` is converted with ``.to`` inside the body, so it must stay a
@@ -376,6 +212,12 @@ _NO_ALIGN = {
     ],
 }
 
+def _bodies() -> dict:
+    from ._one_pass_kernel import _one_pass_kernel  # its own module; it imports this one
+
+    return {**_BODIES, "prepare_paged_latent_one_pass": _one_pass_kernel}
+
+
 _compiled: dict = {}
 _interpreted: dict = {}
 
@@ -385,7 +227,7 @@ def get_kernel(name: str, interpreted: bool):
     cache = _interpreted if interpreted else _compiled
     kern = cache.get(name)
     if kern is None:
-        body = _BODIES[name]
+        body = _bodies()[name]
         if interpreted:
             from triton.runtime.interpreter import InterpretedFunction
 

@@ -32,7 +32,9 @@ stream, without Triton's per-call binding; ``fast_launch=False`` (or
 ``DRAFTKV_FAST_LAUNCH=0``) takes Triton's normal path. The one-pass form also
 remembers each checked call signature (``_one_pass_plans.plan_key``), so a repeated call with
 the same shapes, dtypes, strides and output tensors skips the checks and the
-launch sizing as well.
+launch sizing as well. An executor whose step tensors are static buffers can go
+further with ``bound.BoundPreparation``: the call is checked once and then
+relaunched with every argument already resolved.
 
 None of the Triton paths synchronises with the host or creates data-dependent
 shapes; all outputs can be preallocated via ``out=`` so a step can be captured
@@ -297,6 +299,7 @@ def prepare_paged_latent(
     num_warps: Optional[int] = None,
     split: Optional[int] = None,
     fast_launch: bool = True,
+    source_tiles: Optional[bool] = None,
 ) -> PagedLatentPrep:
     """One DFlash generation step's preparation, in ONE kernel launch.
 
@@ -333,6 +336,9 @@ def prepare_paged_latent(
         impl: ``None`` / ``"triton"`` / ``"reference"`` (see module docstring).
         block, num_warps, split: tuning only (ordinals per tile, warps per
             program, programs per row; ``split`` applies to the one-pass form).
+        source_tiles: tuning only, one-pass form: tile the source ordinals
+            (the first load issued before the slot state is read) rather than
+            the read table; default by launch size (``_checks.one_pass_config``).
         fast_launch: on CUDA, launch through the bound compiled kernel (see
             ``_launch.py``) rather than Triton's per-call binding; same kernel,
             same results.
@@ -359,9 +365,12 @@ def prepare_paged_latent(
             block_offsets, pool_idx, divisor, backend, tables, extents, vectors,
             block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new,
             out=out, impl=impl, block=block, num_warps=num_warps, split=split, fast_launch=fast_launch,
+            source_tiles=source_tiles,
         )
-    if pool_idx != 0 or divisor is not None or backend is not None or split is not None:
-        raise ValueError("pool_idx, divisor, backend and split belong to the one-pass form (with block_offsets)")
+    if pool_idx != 0 or divisor is not None or backend is not None or split is not None or source_tiles is not None:
+        raise ValueError(
+            "pool_idx, divisor, backend, split and source_tiles belong to the one-pass form (with block_offsets)"
+        )
     tensors = (tables, extents, *vectors)
     dev, kw = check_prepare(
         tensors, block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new, out=out
@@ -396,11 +405,13 @@ def _prepare_one_pass(
     num_warps: Optional[int],
     split: Optional[int],
     fast_launch: bool,
+    source_tiles: Optional[bool] = None,
 ) -> PagedLatentPrep:
     """The one-pass form of :func:`prepare_paged_latent` (checks, dispatch, the launch)."""
     if fast_launch and out is not None and impl != "reference" and _fl.ENABLED:
         plan_key = _plans.plan_key(block_offsets, vectors, out, tables, extents, pool_idx, divisor, backend,
-                                   block_size, tokens_per_block, max_new, block, num_warps, split)
+                                   block_size, tokens_per_block, max_new, block, num_warps,
+                                   (split, source_tiles))
         if plan_key is not None and _plans.launch_planned(plan_key, block_offsets, vectors, out, max_ctx):
             LAUNCH_COUNTS["prepare_paged_latent_one_pass"] += 1
             return out
@@ -421,7 +432,7 @@ def _prepare_one_pass(
         out = PagedLatentPrep.empty(B, M, kw["block_size"], kw["max_new"], device=dev, with_extents=True)
     if B == 0:
         return out
-    blk, nsplit, warps, scan = one_pass_config(B, M, dev, block, num_warps, split)
+    blk, nsplit, warps, scan, src_tiles = one_pass_config(B, M, dev, block, num_warps, split, source_tiles)
     s_pool, s_ob, _, s_om = block_offsets.stride()
     # output rows start 16-byte aligned when M is a multiple of 4 (int32 entries)
     row_align = 4 if M % 4 == 0 else (2 if M % 2 == 0 else 1)
@@ -467,6 +478,7 @@ def _prepare_one_pass(
         UNIT_COL=s_om == 1,
         WIDE_COL=max(M - 1, 0) * s_om >= 2**31,
         FULL_ROWS=backend == "cpp",
+        SRC_TILES=src_tiles,
         COMPILED=dev.type == "cuda",
         num_warps=warps,
     )

@@ -101,7 +101,13 @@ def two_step(off, vectors, kw, *, pool, divisor, backend, impl="triton"):
 
 
 def check_one_pass(off, vectors, kw, *, pool, divisor, backend, device="cpu", **extra):
-    """One poisoned one-pass call: one launch, equal to the reference and to the two-step form."""
+    """Poisoned one-pass calls, both tilings unless ``source_tiles`` is given: each one launch,
+    equal to the reference and to the two-step form. Returns the last result."""
+    if "source_tiles" not in extra:
+        for tiles in (False, True):
+            got = check_one_pass(off, vectors, kw, pool=pool, divisor=divisor, backend=backend, device=device,
+                                 source_tiles=tiles, **extra)
+        return got
     B, M = vectors[0].shape[0], off.shape[3]
     out = poisoned_one_pass_out(B, M, kw, device)
     before = dict(K.LAUNCH_COUNTS)
@@ -355,15 +361,16 @@ if HAVE_HYPOTHESIS:
         split=st.sampled_from([1, 2, None]),
         max_new=st.integers(0, 6),
         block_size=st.integers(0, 4),
+        source_tiles=st.sampled_from([True, False, None]),
     )
     def test_one_pass_hypothesis(seed, num_pools, B, M, P, backend, int64, divisor, block, split, max_new,
-                                 block_size):
+                                 block_size, source_tiles):
         gen = torch.Generator().manual_seed(seed)
         dtype = torch.int64 if int64 else torch.int32
         off, _, vectors, kw = make_step(gen, num_pools, B + seed % 2, B, M, backend=backend, dtype=dtype, P=P,
                                         max_new=max_new, block_size=block_size)
         check_one_pass(off, vectors, kw, pool=seed % num_pools, divisor=divisor, backend=backend, block=block,
-                       split=split)
+                       split=split, source_tiles=source_tiles)
 
 
 # --------------------------------------------------------------------------- CUDA
@@ -399,7 +406,7 @@ def test_one_pass_cuda_matches_reference(backend, dtype):
     for num_pools, B, M, pool in [(2, 1, 128, 1), (3, 8, 2048, 2), (1, 64, 16384, 0), (2, 300, 2048, 1),
                                   (2, 1024, 128, 0), (2, 5, 1, 1), (1, 3, 37, 0)]:
         off, vectors, kw = _big_step(gen, num_pools, B, M, backend=backend, dtype=dtype)
-        for extra in ({}, {"block": 256, "split": 3}, {"num_warps": 4}):
+        for extra in ({}, {"block": 256, "split": 3}, {"num_warps": 4}, {"block": 128, "split": 2, "num_warps": 2}):
             check_one_pass(off, vectors, kw, pool=pool, divisor=KV, backend=backend, device="cuda", **extra)
         # the small edge generator too, strided view included
         off_s, _, vec_s, kw_s = make_step(gen, 2, 6, 5, 21, backend=backend, dtype=dtype)
