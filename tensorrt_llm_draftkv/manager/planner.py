@@ -12,6 +12,9 @@ Concurrency is computed from the charge `plan_pool` is asked for (the unaligned 
 unless `chunk_alignment=True`), with the other beside it. With tensor parallelism
 the KV heads are sharded over the ranks (`ceil(heads / tp)` per rank); a byte budget
 is what one rank spends, and page counts are the same on every rank.
+
+The report text lives in `plan_format` and what a shared prefix saves in
+`reuse_savings`; both are re-exported here.
 """
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ from .budget import (
     max_concurrency,
     pages_for_quota,
 )
+# Re-exported: callers import the report text and the reuse savings from here.
+from .plan_format import format_bytes, format_report, format_savings  # noqa: F401
+from .reuse_savings import ReuseSavings, prefix_reuse_savings  # noqa: F401
 
 GIB = 1 << 30
 
@@ -295,139 +301,4 @@ def plan_pool(
         kv_heads_per_rank=geometry.kv_heads_per_rank,
         chunk=chunk,
         chunk_alignment=chunk_alignment,
-    )
-
-
-def format_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            if n // size >= 10**15:  # beyond what a float shows exactly (and may overflow)
-                return f"{n // size} {unit}"
-            value = n / size
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.2f} {unit}"
-    return f"{n} B"
-
-
-def _per_group(values: list[int]) -> str:
-    return str(values[0]) if len(values) == 1 else "[" + ", ".join(map(str, values)) + "] (per group)"
-
-
-def format_report(report: PoolReport, tokens_per_block: int) -> str:
-    """The pool as a table (one row per group) with its per-request bytes and both charges explained."""
-    header = (
-        ("group", 5), ("window", 8), ("layers", 6), ("pages/req", 9), ("aligned", 7), ("bytes/req", 11),
-        ("per rank", 11), ("trail/req", 10), ("trail %win", 10), ("pool pages", 10), ("max conc", 8),
-    )
-    lines = [f"{report.name} pool (trail tokens per window: {report.trail_tokens})"]
-    lines.append("  " + "  ".join(f"{name:>{width}}" for name, width in header))
-    for i, g in enumerate(report.groups):
-        window = "full" if g.window is None else str(g.window)
-        pct = f"{100.0 * tokens_per_block / g.window:.2f} %" if (g.trail_bytes_per_request and g.window) else "-"
-        cells = (
-            i, window, g.num_layers, g.pages_per_request, g.aligned_pages_per_request,
-            format_bytes(g.bytes_per_request), format_bytes(g.bytes_per_request_per_rank),
-            format_bytes(g.trail_bytes_per_request), pct, g.pool_pages, g.max_concurrency,
-        )
-        lines.append("  " + "  ".join(f"{cell!s:>{width}}" for cell, (_, width) in zip(cells, header)))
-    heads = f"{report.kv_heads_per_rank} of {report.num_kv_heads} KV heads" if report.num_kv_heads else "KV heads"
-    lines.append(
-        f"  per request: {format_bytes(report.bytes_per_request)} (per rank at tp {report.tp_size}: "
-        f"{format_bytes(report.bytes_per_request_per_rank)}, {heads}), of which trail page "
-        f"{format_bytes(report.trail_bytes_per_request)}; max concurrency {report.max_concurrency} "
-        + (
-            f"(aligned charge; {report.max_concurrency_unaligned} with the unaligned)"
-            if report.chunk_alignment
-            else f"(unaligned charge; {report.max_concurrency_aligned} with the aligned)"
-        )
-    )
-    aligned = [g.aligned_pages_per_request for g in report.groups]
-    unaligned = [g.unaligned_pages_per_request for g in report.groups]
-    chunk = f"{report.chunk} tokens" if report.chunk else "the chunk"
-    used = "aligned" if report.chunk_alignment else "unaligned"
-    lines.append(
-        f"  aligned charge: {_per_group(aligned)} pages/request: every chunk starts at a multiple of the chunk "
-        f"({chunk}) from position 0, what a fixed-chunk prefill gives"
-    )
-    lines.append(
-        f"  unaligned charge: {_per_group(unaligned)} pages/request: a chunk may start anywhere, e.g. after a "
-        "prefix computed elsewhere that ends at an odd position (the safe charge, at most one page more)"
-    )
-    lines.append(f"  concurrency and the pages/req column use the {used} charge")
-    return "\n".join(lines)
-
-
-# -- block reuse: what a shared prefix saves -----------------------------------------------------
-@dataclass(frozen=True)
-class ReuseSavings:
-    """What one more request sharing a prefix does not compute or hold alone, in one pool.
-
-    `reused_tokens` is the prefix rounded down to whole pages (the prefill tokens
-    skipped; the request's prompt must be longer, since one token is always
-    computed). `pages_per_group[g]` counts the prefix pages group g still holds at
-    history = `reused_tokens` (all of them under full attention; the window, trail
-    and sinks under a window): the pages the request shares instead of allocating.
-    """
-
-    name: str
-    shared_prefix: int
-    reused_tokens: int
-    pages_per_group: tuple[int, ...]
-    bytes_per_group: tuple[int, ...]
-    bytes_per_group_per_rank: tuple[int, ...]
-
-    @property
-    def pages(self) -> int:
-        return sum(self.pages_per_group)
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.bytes_per_group)
-
-    @property
-    def bytes_per_rank(self) -> int:
-        return sum(self.bytes_per_group_per_rank)
-
-    def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "shared_prefix": self.shared_prefix,
-            "reused_tokens": self.reused_tokens,
-            "pages_per_group": list(self.pages_per_group),
-            "bytes_per_group": list(self.bytes_per_group),
-            "bytes": self.bytes,
-            "bytes_per_rank": self.bytes_per_rank,
-        }
-
-
-def prefix_reuse_savings(name: str, geometry: PoolGeometry, shared_prefix: int, *, trail_tokens: int = 0) -> ReuseSavings:
-    """Pages and bytes per request that sharing a `shared_prefix`-token prefix saves in one pool.
-
-    The prefix covers absolute positions `[0, shared_prefix)`; only its whole
-    pages `[0, shared_prefix // P)` are shared. `trail_tokens` widens every window
-    as the pool's life cycles do (the trail page of a DFlash/DSpark draft pool).
-    """
-    from ..runtime.life_cycle import LifeCycle
-    from .admission import held_pages
-
-    if shared_prefix < 0:
-        raise ValueError(f"a shared prefix must be >= 0 tokens, got {shared_prefix}")
-    p = geometry.tokens_per_block
-    tokens = shared_prefix // p * p
-    pages, full, per_rank = [], [], []
-    for g in geometry.layer_groups:
-        lc = LifeCycle(g.window, g.sink_blocks).widened(trail_tokens)
-        count = held_pages(lc, p, tokens, tokens)
-        pages.append(count)
-        for heads, out in ((geometry.num_kv_heads, full), (geometry.kv_heads_per_rank, per_rank)):
-            out.append(count * bytes_per_page(g, tokens_per_block=p, num_kv_heads=heads, head_dim=geometry.head_dim,
-                                              dtype=geometry.dtype, kv_factor=geometry.kv_factor))
-    return ReuseSavings(name, shared_prefix, tokens, tuple(pages), tuple(full), tuple(per_rank))
-
-
-def format_savings(savings: ReuseSavings) -> str:
-    """One line: the prefill tokens skipped and the pages and bytes shared instead of held alone."""
-    return (
-        f"  shared prefix of {savings.shared_prefix} tokens ({savings.reused_tokens} reused, whole pages): "
-        f"{_per_group(list(savings.pages_per_group))} pages, {format_bytes(savings.bytes)} "
-        f"({format_bytes(savings.bytes_per_rank)} per rank) saved per request sharing it in the {savings.name} pool"
     )

@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from .pool_journal import JournalEntry, PoolJournal
 from .prefix_cache import PageKey, PrefixCache
 
 BAD_PAGE_INDEX = -1
@@ -20,7 +21,7 @@ PoolListener = Callable[[str, "list[int]", object], None]
 """`fn(event, pages, owner)`: pages are page indices of the pool; events are listed in `PagePool`."""
 
 
-class PagePool:
+class PagePool(PoolJournal):
     """`num_pages` pages of `tokens_per_block` token slots for every layer of a group.
 
     Storage per layer is `[pages, kv_factor, kv_heads, P, head_dim]`. With
@@ -53,6 +54,9 @@ class PagePool:
       hands them out, or when a rollback undoes a publish).
 
     Without `block_reuse` only "allocate" and "release" ever happen, as before.
+
+    The journal a batch transaction rolls back (`begin_journal`, `end_journal`,
+    `rollback_journal`) comes from `PoolJournal` (runtime/pool_journal.py).
     """
 
     def __init__(
@@ -93,7 +97,7 @@ class PagePool:
         self.prefix: PrefixCache | None = PrefixCache(reuse_salt) if block_reuse else None
         self._listeners: list[PoolListener] = []
         # While a journal is open: (kind, page, owner, data) for every change, in order.
-        self._log: list[tuple[str, int, object, object]] | None = None
+        self._log: list[JournalEntry] | None = None
 
     # -- listeners ----------------------------------------------------------------
     def add_listener(self, fn: PoolListener) -> None:
@@ -161,10 +165,6 @@ class PagePool:
         if not self._extra:
             return len(pages)
         return sum(1 for p in pages if p not in self._extra)
-
-    def _record(self, kind: str, page: int, owner: object, data: object = None) -> None:
-        if self._log is not None:
-            self._log.append((kind, page, owner, data))
 
     def allocate(self, count: int, *, owner: object | None = None) -> list[int]:
         """Hand out `count` pages, all or none; listeners hear "allocate" with `owner`.
@@ -247,97 +247,6 @@ class PagePool:
         extra holders, prefix table and LRU order."""
         table = self.prefix.state() if self.prefix is not None else ()
         return (tuple(self._free), frozenset(self._held), tuple(sorted(self._extra.items())), table)
-
-    # -- the journal (what a batch transaction rolls back) ----------------------------------
-    def begin_journal(self) -> None:
-        """Log every allocate and release from now on, so `rollback_journal` can undo them."""
-        if self._log is not None:
-            raise ValueError("this pool's journal is already open")
-        self._log = []
-
-    def end_journal(self) -> None:
-        """Keep the changes; stop logging."""
-        self._log = None
-
-    def rollback_journal(self) -> None:
-        """Undo every change since `begin_journal`, latest first.
-
-        The free list only ever pops and pushes at its end, so undoing in reverse
-        puts every page back in the very position it had: the pool, its free-list
-        order, holders, prefix table and LRU order included, is as it was.
-        Listeners hear the undo as the inverse events (an allocation undone is a
-        "release", a share an "unshare", an eviction a "publish", ...), with the
-        owners that were named.
-        """
-        log, self._log = self._log or [], None
-        if self.prefix is None:
-            self._rollback_plain(log)
-            return
-        runs: list[tuple[str, object, list[int]]] = []  # consecutive events of one kind and owner
-        for kind, page, owner, data in reversed(log):
-            event, who = self._undo(kind, page, owner, data)
-            if runs and runs[-1][:2] == (event, who):
-                runs[-1][2].append(page)
-            else:
-                runs.append((event, who, [page]))
-        for event, who, pages in runs:
-            self._emit(event, pages, who)
-
-    def _rollback_plain(self, log: list[tuple[str, int, object, object]]) -> None:
-        """Without block reuse only pops and pushes exist: undo them as runs of `release` and `take`."""
-        runs: list[tuple[str, object, list[int]]] = []  # consecutive undo steps of one kind and owner
-        for kind, page, owner, _ in reversed(log):
-            if runs and runs[-1][:2] == (kind, owner):
-                runs[-1][2].append(page)
-            else:
-                runs.append((kind, owner, [page]))
-        for kind, owner, pages in runs:
-            if kind == "pop":  # handed out: back onto the end, latest first
-                self.release(pages, owner=owner)
-            else:  # returned: it sits at the end again, claim it back
-                self.take(pages, owner=owner)
-
-    def _undo(self, kind: str, page: int, owner: object, data: object) -> tuple[str, object]:
-        """Undo one journal entry in place; return the event listeners hear and its owner."""
-        if kind == "pop":  # handed out: back onto the end of the free list
-            self._held.discard(page)
-            self._free.append(page)
-            return "release", owner
-        if kind == "push":  # returned: it sits at the end again
-            self._pop_free(page)
-            self._held.add(page)
-            return "allocate", owner
-        assert self.prefix is not None  # every other kind needs the prefix table
-        if kind == "evict":
-            key, stamp = data
-            self._pop_free(page)
-            self.prefix.publish(page, key)
-            self.prefix.park(page, stamp)
-            return "publish", None
-        if kind == "park":
-            self.prefix.unpark(page)
-            self._held.add(page)
-            return "allocate", owner
-        if kind == "revive":
-            self._held.discard(page)
-            self.prefix.park(page, data)
-            return "release", owner
-        if kind == "share":
-            self._drop_extra(page)
-            return "unshare", owner
-        if kind == "unshare":
-            self._extra[page] = self._extra.get(page, 0) + 1
-            return "share", owner
-        if kind == "publish":
-            self.prefix.unpublish(page)
-            return "evict", owner
-        raise AssertionError(f"unknown journal entry {kind!r}")
-
-    def _pop_free(self, page: int) -> None:
-        if self._free and self._free[-1] == page:
-            self._free.pop()
-        else:  # not reached by a reverse-order undo; kept correct anyway
-            self._free.remove(page)
 
     def _drop_extra(self, page: int) -> None:
         left = self._extra[page] - 1
