@@ -2,8 +2,8 @@
 launches its compiled kernel again without the checks or Triton's argument binding.
 
 A *plan* is keyed by everything the checks and the launch sizing depend on
-(`plan_key`); `spec_tail_kernels` records one after a checked fast launch
-(`remember_plan`) and tries it first on the next call (`launch_planned`).
+(`plan_key`); `_dispatch._launch` records one after a checked fast launch
+(`remember_plan`) and `_one_pass_call` tries it first on the next call (`launch_planned`).
 """
 from __future__ import annotations
 

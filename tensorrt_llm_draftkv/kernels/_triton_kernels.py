@@ -7,7 +7,7 @@ wrapped twice, lazily, by :func:`get_kernel`:
 * an ``InterpretedFunction`` for CPU tensors (Triton's interpreter),
 
 independently of whether ``TRITON_INTERPRET`` was set when this module was
-imported. The dispatch policy (which one runs when) lives in ``spec_tail_kernels.py``.
+imported. The dispatch policy (which one runs when) lives in ``_dispatch.py``.
 
 Layout conventions shared by the three two-step kernels (the one-pass kernel
 lives in ``_one_pass_kernel.py`` and documents its own: a program per row, or a

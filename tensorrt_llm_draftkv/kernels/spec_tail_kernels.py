@@ -44,23 +44,18 @@ shifts to ``>= 0`` by kernels and references alike.
 """
 from __future__ import annotations
 
-import collections
-import os
-from typing import Any, Optional, Sequence
+from typing import Optional
 
 import torch
 
-from . import _launch as _fl
-from . import _one_pass_plans as _plans
+from . import _dispatch
+from ._dispatch import HAVE_TRITON, LAUNCH_COUNTS, triton_runs  # noqa: F401  (re-exported)
 from ._checks import (
     check_decode,
-    check_impl,
-    check_one_pass,
     check_prepare,
     check_rebase,
     next_pow2,
     num_warps as warps_for,
-    one_pass_config,
     pick_block,
     vec,
 )
@@ -73,77 +68,7 @@ from .reference import (
     prepare_paged_latent_reference,
     rebase_block_table_reference,
 )
-
-try:  # the references must stay usable where Triton cannot be imported
-    from . import _triton_kernels as _tk
-
-    HAVE_TRITON = True
-except Exception:  # pragma: no cover - depends on the environment
-    _tk = None
-    HAVE_TRITON = False
-
-#: Number of Triton launches per kernel name since import (host-side counter).
-LAUNCH_COUNTS: "collections.Counter[str]" = collections.Counter()
-
-
-def _use_triton(impl: Optional[str], device: torch.device) -> bool:
-    """Decide the implementation (see module docstring)."""
-    check_impl(impl)
-    if impl == "reference":
-        return False
-    if impl == "triton":
-        if not HAVE_TRITON:
-            raise RuntimeError("impl='triton' requested but triton cannot be imported")
-        if device.type not in ("cuda", "cpu"):
-            raise RuntimeError(f"no Triton path for device {device}")
-        return True
-    if not HAVE_TRITON:
-        return False
-    if device.type == "cuda":
-        return True
-    if device.type == "cpu":
-        return os.environ.get("TRITON_INTERPRET") == "1"
-    return False
-
-
-def triton_runs(impl: Optional[str], device: torch.device) -> bool:
-    """Whether a call with this ``impl`` on this device runs a Triton kernel (see the dispatch rules)."""
-    return _use_triton(impl, device)
-
-
-def _launch(
-    name: str,
-    device: torch.device,
-    grid: tuple[int, int],
-    args: Sequence,
-    fast: bool = True,
-    plan_key: Optional[tuple] = None,
-    **meta: Any,
-) -> None:
-    """One launch of kernel ``name``: interpreted on CPU, else compiled (fast path if allowed).
-
-    ``plan_key``: the one-pass form's call signature (see :func:`._one_pass_plans.plan_key`);
-    when given, the compiled kernel and launch sizes are remembered under it.
-    """
-    interpreted = device.type != "cuda"
-    kern = _tk.get_kernel(name, interpreted)
-    LAUNCH_COUNTS[name] += 1
-    if name == "decode_draft_block_table":
-        meta["COMPILED"] = not interpreted
-    if interpreted:
-        kern[grid](*args, **meta)
-        return
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index == torch.cuda.current_device():
-        if fast and _fl.ENABLED:
-            ck = _fl.launch_fast(kern, index, grid, args, meta)
-            if plan_key is not None and ck is not None:
-                _plans.remember_plan(plan_key, ck, index, grid, args, meta, kern)
-        else:
-            _fl.launch_normal(kern, grid, args, meta)
-    else:  # Triton compiles and launches for the current device
-        with torch.cuda.device(device):
-            _fl.launch_normal(kern, grid, args, meta)
+from ._one_pass_call import prepare_one_pass as _prepare_one_pass
 
 
 # --------------------------------------------------------------------------- decode
@@ -183,7 +108,7 @@ def decode_draft_block_table(
     """
     M, divisor = check_decode(block_offsets, pool_idx, num_seqs, divisor, backend, out)
     dev = block_offsets.device
-    if not _use_triton(impl, dev):
+    if not _dispatch._use_triton(impl, dev):
         return decode_draft_block_table_reference(block_offsets, pool_idx, num_seqs, divisor, backend, out)
 
     if out is None:
@@ -197,7 +122,7 @@ def decode_draft_block_table(
     blk = pick_block(num_seqs, M, block, interpreted)
     k = block_offsets[pool_idx, :num_seqs, 0]  # strided view, no copy
     grid = (num_seqs, max(1, -(-M // blk)))
-    _launch(
+    _dispatch._launch(
         "decode_draft_block_table",
         dev,
         grid,
@@ -239,7 +164,7 @@ def rebase_block_table(
     """
     dev = check_rebase(tables, extents, base_pages, out)
     B, M = tables.shape
-    if not _use_triton(impl, dev):
+    if not _dispatch._use_triton(impl, dev):
         return rebase_block_table_reference(tables, extents, base_pages, out)
     if out is None:
         out = RebasedTables(
@@ -252,7 +177,7 @@ def rebase_block_table(
     interpreted = dev.type != "cuda"
     blk = pick_block(B, M, block, interpreted)
     grid = (B, max(1, -(-M // blk)))
-    _launch(
+    _dispatch._launch(
         "rebase_block_table",
         dev,
         grid,
@@ -375,7 +300,7 @@ def prepare_paged_latent(
     dev, kw = check_prepare(
         tensors, block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new, out=out
     )
-    if not _use_triton(impl, dev):
+    if not _dispatch._use_triton(impl, dev):
         return prepare_paged_latent_reference(*tensors, out=out, **kw)
     B, M = tables.shape
     if out is None:
@@ -383,105 +308,6 @@ def prepare_paged_latent(
     if B == 0:
         return out
     _launch_prepare(tensors, out, block, num_warps, fast_launch, **kw)
-    return out
-
-
-def _prepare_one_pass(
-    block_offsets: Optional[torch.Tensor],
-    pool_idx: int,
-    divisor: Optional[int],
-    backend: Optional[str],
-    tables: Optional[torch.Tensor],
-    extents: Optional[torch.Tensor],
-    vectors: tuple[torch.Tensor, ...],
-    *,
-    block_size: int,
-    tokens_per_block: int,
-    max_ctx: int,
-    max_new: int,
-    out: Optional[PagedLatentPrep],
-    impl: Optional[str],
-    block: Optional[int],
-    num_warps: Optional[int],
-    split: Optional[int],
-    fast_launch: bool,
-    source_tiles: Optional[bool] = None,
-) -> PagedLatentPrep:
-    """The one-pass form of :func:`prepare_paged_latent` (checks, dispatch, the launch)."""
-    if fast_launch and out is not None and impl != "reference" and _fl.ENABLED:
-        plan_key = _plans.plan_key(block_offsets, vectors, out, tables, extents, pool_idx, divisor, backend,
-                                   block_size, tokens_per_block, max_new, block, num_warps,
-                                   (split, source_tiles))
-        if plan_key is not None and _plans.launch_planned(plan_key, block_offsets, vectors, out, max_ctx):
-            LAUNCH_COUNTS["prepare_paged_latent_one_pass"] += 1
-            return out
-    else:
-        plan_key = None
-    dev, kw, pool_idx, divisor, backend = check_one_pass(
-        block_offsets, pool_idx, divisor, backend, tables, extents, vectors,
-        block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new, out=out,
-    )
-    assert block_offsets is not None
-    if not _use_triton(impl, dev):
-        return prepare_paged_latent_one_pass_reference(
-            block_offsets, pool_idx, divisor, backend, *vectors, out=out, **kw
-        )
-    B = vectors[0].shape[0]
-    M = block_offsets.shape[3]
-    if out is None:
-        out = PagedLatentPrep.empty(B, M, kw["block_size"], kw["max_new"], device=dev, with_extents=True)
-    if B == 0:
-        return out
-    blk, nsplit, warps, scan, src_tiles = one_pass_config(B, M, dev, block, num_warps, split, source_tiles)
-    s_pool, s_ob, _, s_om = block_offsets.stride()
-    # output rows start 16-byte aligned when M is a multiple of 4 (int32 entries)
-    row_align = 4 if M % 4 == 0 else (2 if M % 2 == 0 else 1)
-    slot_ids, slot_ctx_len, slot_base_pages, num_new = vectors
-    _launch(
-        "prepare_paged_latent_one_pass",
-        dev,
-        (B, nsplit),
-        (
-            block_offsets,
-            vec(slot_ids),
-            vec(slot_ctx_len),
-            vec(slot_base_pages),
-            vec(num_new),
-            out.read_rows,
-            out.read_lens,
-            out.query_pos,
-            out.store_pages,
-            out.store_offsets,
-            out.new_ctx_len,
-            out.shift,
-            out.extents,
-            M,
-            M // row_align,
-            pool_idx * s_pool,
-            s_ob,
-            s_om,
-            divisor,
-            kw["max_ctx"],
-            kw["block_size"],
-            kw["max_new"],
-        ),
-        fast_launch,
-        plan_key,
-        P=kw["tokens_per_block"],
-        BLOCK=blk,
-        SCAN=scan,
-        QBLOCK=next_pow2(max(kw["block_size"], 1)),
-        NBLOCK=next_pow2(max(kw["max_new"], 1)),
-        SPLIT=nsplit,
-        ROW_ALIGN=row_align,
-        DIV_SHIFT=divisor.bit_length() - 1 if divisor & (divisor - 1) == 0 else -1,
-        UNIT_COL=s_om == 1,
-        WIDE_COL=max(M - 1, 0) * s_om >= 2**31,
-        FULL_ROWS=backend == "cpp",
-        SRC_TILES=src_tiles,
-        COMPILED=dev.type == "cuda",
-        num_warps=warps,
-    )
     return out
 
 
@@ -503,7 +329,7 @@ def _launch_prepare(
     dev = tables.device
     blk = pick_block(B, M, block, dev.type != "cuda")
     grid = (B, max(1, -(-M // blk)))
-    _launch(
+    _dispatch._launch(
         "prepare_paged_latent",
         dev,
         grid,

@@ -21,7 +21,7 @@ import torch
 
 import tensorrt_llm_draftkv.kernels as K
 from tensorrt_llm_draftkv.kernels import _launch as fast_launch
-from tensorrt_llm_draftkv.kernels import spec_tail_kernels as api
+from tensorrt_llm_draftkv.kernels import _one_pass_call as one_pass_call
 from test_spec_tail_kernels import (
     KV,
     POISON32,
@@ -268,7 +268,7 @@ def test_one_pass_dispatch(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the torch reference ran instead of the Triton kernel")
 
-    monkeypatch.setattr(api, "prepare_paged_latent_one_pass_reference", boom)
+    monkeypatch.setattr(one_pass_call.reference, "prepare_paged_latent_one_pass_reference", boom)
     assert_prep_equal(one_pass(off, vectors, kw, pool=1, divisor=KV, backend="python"), want)
     assert K.LAUNCH_COUNTS[ONE_PASS] == before + 1
     monkeypatch.undo()

@@ -449,11 +449,11 @@ def test_peak_draft_pages_per_request_reaches_the_estimate_and_never_exceeds_it(
 # -- the Triton kernels in the loop ---------------------------------------------------------------------------
 def test_executor_through_interpreted_triton_kernels(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from tensorrt_llm_draftkv.kernels import spec_tail_kernels as api
+    from tensorrt_llm_draftkv.kernels import _dispatch
 
     launches = []
-    launch = api._launch
-    monkeypatch.setattr(api, "_launch", lambda name, *a, **k: (launches.append(name), launch(name, *a, **k))[1])
+    launch = _dispatch._launch
+    monkeypatch.setattr(_dispatch, "_launch", lambda name, *a, **k: (launches.append(name), launch(name, *a, **k))[1])
     keys = random_keys(20, 2, lo=200, hi=600)
     run = run_aggregated(replace(SMALL, max_new_tokens=24), HISTORY, keys, concurrency=2)
     assert launches, "the executor went through the Triton kernels"

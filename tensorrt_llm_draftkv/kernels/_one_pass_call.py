@@ -1,0 +1,118 @@
+"""The one-pass form of ``prepare_paged_latent``: its checks, its dispatch and its launch.
+
+Called by ``spec_tail_kernels.prepare_paged_latent`` (which documents the
+coordinates and the contract) when it is given ``block_offsets``; a call whose
+signature was checked before is relaunched from its remembered plan
+(``_one_pass_plans.py``) without the checks.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _dispatch
+from . import _launch as _fl
+from . import _one_pass_plans as _plans
+from . import reference
+from ._checks import check_one_pass, next_pow2, one_pass_config, vec
+from .reference import PagedLatentPrep
+
+
+def prepare_one_pass(
+    block_offsets: Optional[torch.Tensor],
+    pool_idx: int,
+    divisor: Optional[int],
+    backend: Optional[str],
+    tables: Optional[torch.Tensor],
+    extents: Optional[torch.Tensor],
+    vectors: tuple[torch.Tensor, ...],
+    *,
+    block_size: int,
+    tokens_per_block: int,
+    max_ctx: int,
+    max_new: int,
+    out: Optional[PagedLatentPrep],
+    impl: Optional[str],
+    block: Optional[int],
+    num_warps: Optional[int],
+    split: Optional[int],
+    fast_launch: bool,
+    source_tiles: Optional[bool] = None,
+) -> PagedLatentPrep:
+    """The one-pass form of :func:`prepare_paged_latent` (checks, dispatch, the launch)."""
+    if fast_launch and out is not None and impl != "reference" and _fl.ENABLED:
+        plan_key = _plans.plan_key(block_offsets, vectors, out, tables, extents, pool_idx, divisor, backend,
+                                   block_size, tokens_per_block, max_new, block, num_warps,
+                                   (split, source_tiles))
+        if plan_key is not None and _plans.launch_planned(plan_key, block_offsets, vectors, out, max_ctx):
+            _dispatch.LAUNCH_COUNTS["prepare_paged_latent_one_pass"] += 1
+            return out
+    else:
+        plan_key = None
+    dev, kw, pool_idx, divisor, backend = check_one_pass(
+        block_offsets, pool_idx, divisor, backend, tables, extents, vectors,
+        block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new, out=out,
+    )
+    assert block_offsets is not None
+    if not _dispatch._use_triton(impl, dev):
+        return reference.prepare_paged_latent_one_pass_reference(
+            block_offsets, pool_idx, divisor, backend, *vectors, out=out, **kw
+        )
+    B = vectors[0].shape[0]
+    M = block_offsets.shape[3]
+    if out is None:
+        out = PagedLatentPrep.empty(B, M, kw["block_size"], kw["max_new"], device=dev, with_extents=True)
+    if B == 0:
+        return out
+    blk, nsplit, warps, scan, src_tiles = one_pass_config(B, M, dev, block, num_warps, split, source_tiles)
+    s_pool, s_ob, _, s_om = block_offsets.stride()
+    # output rows start 16-byte aligned when M is a multiple of 4 (int32 entries)
+    row_align = 4 if M % 4 == 0 else (2 if M % 2 == 0 else 1)
+    slot_ids, slot_ctx_len, slot_base_pages, num_new = vectors
+    _dispatch._launch(
+        "prepare_paged_latent_one_pass",
+        dev,
+        (B, nsplit),
+        (
+            block_offsets,
+            vec(slot_ids),
+            vec(slot_ctx_len),
+            vec(slot_base_pages),
+            vec(num_new),
+            out.read_rows,
+            out.read_lens,
+            out.query_pos,
+            out.store_pages,
+            out.store_offsets,
+            out.new_ctx_len,
+            out.shift,
+            out.extents,
+            M,
+            M // row_align,
+            pool_idx * s_pool,
+            s_ob,
+            s_om,
+            divisor,
+            kw["max_ctx"],
+            kw["block_size"],
+            kw["max_new"],
+        ),
+        fast_launch,
+        plan_key,
+        P=kw["tokens_per_block"],
+        BLOCK=blk,
+        SCAN=scan,
+        QBLOCK=next_pow2(max(kw["block_size"], 1)),
+        NBLOCK=next_pow2(max(kw["max_new"], 1)),
+        SPLIT=nsplit,
+        ROW_ALIGN=row_align,
+        DIV_SHIFT=divisor.bit_length() - 1 if divisor & (divisor - 1) == 0 else -1,
+        UNIT_COL=s_om == 1,
+        WIDE_COL=max(M - 1, 0) * s_om >= 2**31,
+        FULL_ROWS=backend == "cpp",
+        SRC_TILES=src_tiles,
+        COMPILED=dev.type == "cuda",
+        num_warps=warps,
+    )
+    return out
