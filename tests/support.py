@@ -60,7 +60,7 @@ def handoff_probe_rank(rank: int, **build):
         drafter, manager = speculator.drafter, executor.draft_manager
         imported = speculator.import_context
 
-        def checking_import(request_id, prompt_len, geometry, payload, *, floor=0):
+        def checking_import(request_id, prompt_len, geometry, payload, *, floor=0, **seed):
             pages: set[int] = set()
             write = drafter._write_for
 
@@ -70,7 +70,7 @@ def handoff_probe_rank(rank: int, **build):
 
             drafter._write_for = spy
             try:
-                seeded = imported(request_id, prompt_len, geometry, payload, floor=floor)
+                seeded = imported(request_id, prompt_len, geometry, payload, floor=floor, **seed)
             finally:
                 del drafter._write_for  # back to the class's method
             P = manager.tokens_per_block
@@ -92,6 +92,82 @@ def handoff_probe_rank(rank: int, **build):
         def with_probe(*args, _original=original, **kwargs):
             stats = _original(*args, **kwargs)
             stats.handoff_probe = probe
+            return stats
+
+        setattr(executor, name, with_probe)
+    return executor
+
+
+def _adopted_digests(executor, rid: int, prompt_len: int, hit: int, drafter_hit: int) -> list[str]:
+    """Digests of what `executor`'s pools hold, through request `rid`'s rows, for the positions a generation
+    worker adopts at a hit of `hit` tokens: per target group `[start, hit)` with `start` the first position its
+    window still reads at the prompt end (0 under full attention); with a drafter hit, per draft group the
+    drafter context `[seed start, drafter_hit)`."""
+    import torch
+
+    out = []
+    P = executor.target_manager.tokens_per_block
+    for g, group in enumerate(executor.target_manager.layer_groups):
+        lo, hi = group.life_cycle.stale_range(prompt_len, P)
+        start = hi * P if hi > lo else 0
+        if hit > start:
+            out.append(_digest(torch.cat(executor.target_model.read_kv(rid, start, hit, g))))
+    if drafter_hit:
+        speculator = executor.speculator
+        lo = speculator.handoff_geometry().seed_start(prompt_len)
+        out += [_digest(speculator.drafter.read_stored(rid, gi, lo, drafter_hit)) for gi in range(speculator.drafter.num_groups)]
+    return out
+
+
+def _install_reuse_probes() -> None:
+    """Wrap `disagg.transfer_from` (context worker, when it learns the hit) and `disagg.admit_transfer`
+    (generation worker, after admission) once per process; they record only for an executor carrying a
+    `reuse_probe` dict, so ranks kept across runs are not disturbed."""
+    from tensorrt_llm_draftkv.sim import disagg
+
+    if getattr(disagg.transfer_from, "reuse_probe", False):
+        return
+    transfer_from, admit_transfer = disagg.transfer_from, disagg.admit_transfer
+
+    def recording_transfer(req, ex, hit=None):
+        probe = getattr(ex, "reuse_probe", None)
+        if probe is not None and hit is not None and hit.tokens:
+            probe[req.py_request_id] = (
+                hit.tokens, hit.drafter_tokens,
+                _adopted_digests(ex, req.py_request_id, req.prompt_len, hit.tokens, hit.drafter_tokens),
+            )
+        return transfer_from(req, ex, hit)
+
+    def recording_admit(item, ex):
+        req = admit_transfer(item, ex)
+        probe = getattr(ex, "reuse_probe", None)
+        if probe is not None:
+            digests = _adopted_digests(ex, item.request_id, item.prompt_len, item.gen_reused_tokens,
+                                       item.gen_drafter_reused) if item.gen_reused_tokens else []
+            probe[item.request_id] = (item.gen_reused_tokens, item.gen_drafter_reused, digests, list(item.group_lo))
+        return req
+
+    recording_transfer.reuse_probe = True
+    disagg.transfer_from, disagg.admit_transfer = recording_transfer, recording_admit
+
+
+def reuse_probe_rank(rank: int, **build):
+    """A disaggregated rank (`sim.simulate._build_rank`) that records, per request with a generation-worker
+    prefix hit, digests of the K/V adopted instead of received: rank 0 of what its own pools hold for those
+    positions when it learns the hit, rank 1 of what its adopted pages hold after admission (rank 1 also
+    records every request's hit and the target K/V starts it received, `group_lo`). Both land on the rank's
+    returned stats as `reuse_probe`. Module-level (and in `support`) so a spawned rank can unpickle it."""
+    from tensorrt_llm_draftkv.sim.simulate import _build_rank
+
+    _install_reuse_probes()
+    executor = _build_rank(rank, **build)
+    executor.reuse_probe = probe = {}
+    for name in ("run", "finish"):
+        original = getattr(executor, name)
+
+        def with_probe(*args, _original=original, **kwargs):
+            stats = _original(*args, **kwargs)
+            stats.reuse_probe = probe
             return stats
 
         setattr(executor, name, with_probe)

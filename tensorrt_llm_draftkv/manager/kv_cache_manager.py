@@ -12,7 +12,7 @@ from typing import Iterable
 from ..config import KVPoolConfig
 from ..request import LlmRequest, ScheduledRequests
 from ..runtime import KVCache, LayerGroup, LifeCycle, PagePool
-from . import dummies, export, prefix_reuse, rules
+from . import dummies, export, gen_init_reuse, prefix_reuse, rules
 from .diagnostics import KVCacheResizeError, MissingKVCacheError, pool_diagnostic, resize_error
 
 
@@ -294,10 +294,8 @@ class KVCacheManagerV2:
                 if self.block_reuse and not req.is_dummy:  # a dummy's placeholder K/V is never published
                     prefix_reuse.publish_history(self, req, position)
 
-    def prepare_disagg_gen_init(self, req: LlmRequest) -> None:
-        """A generation worker's new request: the prompt is history, a step of headroom above it."""
-        rules_ = self.sizing_rules
-        self._resize_or_raise(req, rules_.disagg_gen_init_phase, rules_.disagg_gen_init)
+    # A generation worker's new request, with an optional prefix hit (manager/gen_init_reuse.py).
+    prepare_disagg_gen_init = gen_init_reuse.prepare_disagg_gen_init
 
     def update_resources(self, batch: ScheduledRequests) -> None:
         """After a step: drop rejected draft slots; history = tokens − 1 (the last has no KV).
@@ -322,6 +320,8 @@ class KVCacheManagerV2:
     find_prefix_hit = prefix_reuse.find_prefix_hit
     pair_joint_reuse = prefix_reuse.pair_joint_reuse
     keep_drafter_window = prefix_reuse.keep_drafter_window
+    find_gen_init_hit = gen_init_reuse.find_gen_init_hit
+    publish_gen_init = gen_init_reuse.publish_gen_init
 
     def _prefix_error(self, req: LlmRequest, tokens: int, group: int, missing: list[int]) -> KVCacheResizeError:
         """A mirror told to reuse `tokens` whose pool lacks published pages (block ordinals `missing`)."""

@@ -256,7 +256,9 @@ class KVCache:
             settled = max(hi, start) if hi > lo else start
         return _GroupPlan(release, clear, allocate, num_blocks, settled)
 
-    def commit(self, tokens: int, token_ids: Sequence[int] | None = None) -> None:
+    def commit(
+        self, tokens: int, token_ids: Sequence[int] | None = None, *, first_ordinals: Sequence[int] | None = None
+    ) -> None:
         """Publish `tokens` for prefix reuse; committed <= history.
 
         With `token_ids` (the request's token ids from absolute position 0, at
@@ -264,8 +266,16 @@ class KVCache:
         full page of ordinals `[committed // P, tokens // P)` that this cache still
         backs into its pool's prefix table (a page a window already released is not
         published; a key another page already has is left to that page). Without
-        `token_ids` only the counter moves. Journaled like a resize.
+        `token_ids` only the counter moves. `first_ordinals[g]`: group g publishes
+        no ordinal below this one (pages this cache does not hold whole, e.g. a
+        generation worker's first received page, which starts mid-page); committed
+        still moves to `tokens`. Journaled like a resize.
         """
+        if first_ordinals is not None and len(first_ordinals) != len(self.groups):
+            raise ValueError(
+                f"cache {self.name!r}: first_ordinals needs one entry per group ({len(self.groups)}), "
+                f"got {len(first_ordinals)}"
+            )
         if not self.committed <= tokens <= self.history_length:
             raise ValueError(
                 f"cache {self.name!r}: committed must stay in [{self.committed}, {self.history_length}], "
@@ -277,7 +287,7 @@ class KVCache:
             scalars = (self.capacity, self.history_length, self.committed)
             self._journal.append(_Undo(scalars, tuple(self._settled), tuple(self._held), [(len(r), []) for r in self._rows]))
         if token_ids is not None:
-            self._publish(tokens, token_ids)
+            self._publish(tokens, token_ids, first_ordinals)
         self.committed = tokens
 
     # -- block reuse -------------------------------------------------------------------
@@ -290,7 +300,7 @@ class KVCache:
         """Keys of full pages (block ordinals) `[0, num_pages)` of `token_ids` in one group's chain."""
         return page_keys(token_ids, self.tokens_per_block, self.prefix_root(group), end=num_pages)
 
-    def _publish(self, tokens: int, token_ids: Sequence[int]) -> None:
+    def _publish(self, tokens: int, token_ids: Sequence[int], first_ordinals: Sequence[int] | None = None) -> None:
         P = self.tokens_per_block
         end = tokens // P
         for g, group in enumerate(self.groups):
@@ -302,12 +312,20 @@ class KVCache:
                 parent = keys[-1][0] if keys else None  # the link of the last keyed page
                 keys.extend(page_keys(token_ids, P, self.prefix_root(g), first=len(keys), end=end, parent=parent))
             row = self._rows[g]
-            for ordinal in range(self.committed // P, min(end, len(row))):
+            first = self.committed // P if first_ordinals is None else max(self.committed // P, first_ordinals[g])
+            for ordinal in range(first, min(end, len(row))):
                 page = row[ordinal]
                 if page != BAD_PAGE_INDEX and not pool.is_published(page):
                     pool.publish(page, keys[ordinal], owner=self.owner)
 
-    def adopt_prefix(self, tokens: int, rows: Sequence[Sequence[int]], keys: Sequence[Sequence[PageKey]]) -> None:
+    def adopt_prefix(
+        self,
+        tokens: int,
+        rows: Sequence[Sequence[int]],
+        keys: Sequence[Sequence[PageKey]],
+        *,
+        stale_at: int | None = None,
+    ) -> None:
         """Start this fresh cache at `tokens` tokens of history held on published pages.
 
         `tokens` is a whole number of pages `n * P`. `rows[g]` has `n` entries, by
@@ -318,9 +336,17 @@ class KVCache:
         key. Every page gains this cache's owner as a holder (`PagePool.share`).
         Afterwards capacity = history = committed = `tokens`. ValueError, changing
         nothing, on a cache that is not fresh or rows that break any of this.
+
+        `stale_at` (>= `tokens`; a generation worker's init: the prompt end `m`):
+        the stale range is taken at that history instead, so a window's rows need
+        only the ordinals it still reads there. The caller's next resize must raise
+        history to `stale_at` (ordinals stale there stay unbacked and settled).
         """
         P = self.tokens_per_block
         n = tokens // P if tokens >= 0 else -1
+        at = tokens if stale_at is None else stale_at
+        if at < tokens:
+            raise ValueError(f"cache {self.name!r}: stale_at ({at}) must be >= the adopted tokens ({tokens})")
         if self.closed or self.capacity or self.history_length or any(self._rows):
             raise ValueError(f"cache {self.name!r}: a prefix can only be adopted by a fresh cache")
         if tokens < 0 or tokens % P or len(rows) != len(self.groups) or len(keys) != len(self.groups):
@@ -330,7 +356,7 @@ class KVCache:
             )
         settled: list[int] = []
         for g, group in enumerate(self.groups):
-            lo, hi = group.life_cycle.stale_range(tokens, P)
+            lo, hi = group.life_cycle.stale_range(at, P)
             row = rows[g]
             if len(row) != n or len(keys[g]) < n:
                 raise ValueError(
@@ -346,7 +372,7 @@ class KVCache:
             if group.life_cycle.window is None:
                 settled.append(n)
             else:
-                settled.append(hi if hi > lo else 0)
+                settled.append(min(hi, n) if hi > lo else 0)
         for g, group in enumerate(self.groups):
             group.pool.share([p for p in rows[g] if p != BAD_PAGE_INDEX], owner=self.owner)
             self._rows[g] = list(rows[g])

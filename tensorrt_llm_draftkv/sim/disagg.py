@@ -1,15 +1,18 @@
 """Disaggregated serving, one context worker and one generation worker (1P1D).
 
 Rank 0 runs every prompt through its own target cache and, when a request's
-first token exists, sends the prompt's tokens, the first token and the target
-K/V that the generation worker's window will read. Rank 1 builds the
+first token exists, hands it over: the prompt's tokens, the first token and the
+target K/V that the generation worker's window will read. Rank 1 builds the
 generation-init caches (`prepare_disagg_gen_init` in both pools), writes the
 received K/V into its own pages and decodes with the drafter, whose slots are
 seeded there because the prompt's drafter context was never computed on it.
 The two ranks talk through torch.distributed (gloo on CPU, NCCL when each rank
-has its own GPU). Each rank reports to the parent through one queue: its result
-(or crash) once, and, when the parent asks for progress, `(steps, finished,
-foreign accesses)` after every step it runs, which the parent draws.
+has its own GPU). Per request the context worker offers the tokens, the
+generation worker replies with its prefix hit, then the payload follows; an
+offer with request_id -1 ends the stream (`disagg_wire.py` has every field). Each
+rank reports to the parent through one queue: its result (or crash) once, and,
+when the parent asks for progress, `(steps, finished, foreign accesses)` after
+every step it runs, which the parent draws.
 
 With the drafter-context handoff (`drafter_handoff="window"`, the default under
 `history` sizing) the context worker runs the drafter's context stores too and
@@ -18,51 +21,54 @@ drafter can still read (`speculative/handoff.py`: the pages the generation-init
 mirror backs below the prompt end), plus the drafts its drafter proposed with
 the first token. The generation worker checks the context's geometry against
 its own, writes it onto exactly those pages through the drafter's checked store,
-and seeds the request's first slot with it (`DFlashSpecMetadata.seed_context`).
+and seeds the request's first slot with it (`DFlashSpeculator.import_context`).
 A context made for another geometry is refused (the request does not run)
 unless the worker was told to fall back to the empty seed (`fallback=True`).
 
-With block reuse on the context worker (`block_reuse` `target` or `joint`), a
-prompt that hits a prefix an earlier prompt published is computed from the hit
-on; the generation worker learns the hit (`reused_tokens`) from the header. Under
-`target` reuse the context worker's drafter computed only `[reused_tokens, m)`,
-so the drafter context sent starts there (`drafter_lo`); under `joint` reuse its
-mirror reads the prefix's drafter K/V from the shared pages and the whole window
-is sent. The generation worker's pools do not reuse.
+Block reuse (`block_reuse` `target`, `target-all` or `joint`; both workers'
+pools are built with it):
 
-Wire format per request: an int64 header `[request_id, prompt_len, num_tokens,
-num_groups, num_drafts, drafter_context, reused_tokens, drafter_lo, lo_0, ..]`,
-the token ids, K and V of positions `[lo_g, prompt_len)` for each target layer
-group g, the draft tokens (when num_drafts > 0), then, when drafter_context is
-1, the drafter context: its geometry header (`DrafterContextGeometry.to_wire`,
-version first) and its tensors, shaped by that header and clipped to start at
-`drafter_lo` or later (form `kv`: `[n_g, layers_g, 2, heads, head_dim]` per
-draft group; form `hidden`: one `[n, hidden_size]`). A header with request_id
--1 ends the stream.
+- **Context worker.** A prompt that hits a prefix an earlier prompt published
+  is computed from the hit on; the generation worker learns the hit
+  (`reused_tokens`). Without joint reuse its drafter computed only
+  `[reused_tokens, m)`, so the drafter context starts there (`drafter_lo`);
+  under `joint` its mirror reads the prefix's drafter K/V from shared pages.
+- **Generation worker.** Before the payload, the context worker offers the
+  request's tokens and the generation worker answers with the prefix its own
+  pools published for earlier requests (`find_gen_init_hit`, taken at the
+  prompt end). The payload then carries target K/V only from
+  `max(window start, hit)` per group, and, under `joint`, drafter context only
+  from the hit (its draft pool adopts the same pages); under `target` the
+  drafter context is sent as before (its draft pool does not reuse). The
+  generation init adopts the hit, the tiny target checks the adopted pages
+  against the tokens, and once everything is written the prompt's whole pages
+  are published (`publish_gen_init`) for later requests.
 """
 from __future__ import annotations
 
 import queue as _queue
-import socket
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
+from ..manager.gen_init_reuse import receive_start
 from ..request import LlmRequest, LlmRequestState
-from ..speculative.handoff import (
-    HEADER_INTS,
-    DrafterContextGeometry,
-    DrafterContextMismatch,
-    DrafterHandoff,
-    HandoffForm,
+from ..speculative.handoff import DrafterContextMismatch, DrafterHandoff, HandoffForm
+from .disagg_wire import (  # noqa: F401 - re-exported: the wire's names were defined here before
+    MAX_GROUPS,
+    Channel,
+    GenHit,
+    Offer,
+    Transfer,
+    clipped_hidden_range,
+    clipped_ranges,
+    free_port,
+    payload_bytes,
+    payload_shapes,
 )
-
-MAX_GROUPS = 8
-_FIXED = 8  # header ints before the per-group `lo_g`
-_HEADER = _FIXED + MAX_GROUPS
 
 
 @dataclass(frozen=True)
@@ -102,136 +108,6 @@ def foreign_accesses(executor) -> int:
     return int(getattr(executor.speculator, "foreign_page_accesses", 0) or 0)
 
 
-@dataclass
-class Transfer:
-    """One request from the context worker: tokens, target K/V of `[group_lo[g], prompt_len)`, and optionally
-    the drafts and the drafter context (`drafter_geometry` describes `drafter_payload`)."""
-
-    request_id: int
-    prompt_len: int
-    tokens: torch.Tensor
-    group_lo: list[int]
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    drafts: list[int] = field(default_factory=list)
-    drafter_geometry: DrafterContextGeometry | None = None
-    drafter_payload: list[torch.Tensor] = field(default_factory=list)
-    reused_tokens: int = 0  # the context worker's prefix hit (block reuse)
-    drafter_lo: int = 0  # the drafter context sent starts at this position or later (see `clipped_ranges`)
-
-    @property
-    def drafter_bytes(self) -> int:
-        """Bytes of the drafter context on the wire (0 without one)."""
-        return sum(t.numel() * t.element_size() for t in self.drafter_payload)
-
-
-def clipped_ranges(geometry: DrafterContextGeometry, prompt_len: int, floor: int = 0) -> list[tuple[int, int]]:
-    """Per draft layer group, the absolute positions `[lo, m)` of drafter context sent: the geometry's
-    `ranges(m)` with each start raised to `floor` (a drafter that computed only `[floor, m)`)."""
-    return [(min(max(lo, floor), hi), hi) for lo, hi in geometry.ranges(prompt_len)]
-
-
-def clipped_hidden_range(geometry: DrafterContextGeometry, prompt_len: int, floor: int = 0) -> tuple[int, int]:
-    """`geometry.hidden_range(m)` with its start raised to `floor`."""
-    lo, hi = geometry.hidden_range(prompt_len)
-    return min(max(lo, floor), hi), hi
-
-
-def payload_shapes(
-    geometry: DrafterContextGeometry, prompt_len: int, floor: int = 0
-) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Shape and dtype of every drafter-context tensor a header announces, in wire order."""
-    if geometry.form is HandoffForm.HIDDEN:
-        lo, hi = clipped_hidden_range(geometry, prompt_len, floor)
-        return [((hi - lo, geometry.hidden_size), geometry.hidden_dtype or geometry.dtype)]
-    return [
-        ((hi - lo, n, 2, geometry.num_kv_heads, geometry.head_dim), geometry.dtype)
-        for (lo, hi), n in zip(clipped_ranges(geometry, prompt_len, floor), geometry.layers)
-    ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Channel:
-    """Point-to-point transfers between the two ranks; tensors travel on the wire device."""
-
-    def __init__(self, peer: int, wire_device: torch.device, dim: int, dtype: torch.dtype) -> None:
-        self.peer = peer
-        self.wire = wire_device
-        self.dim = dim
-        self.dtype = dtype
-
-    def send(self, item: Transfer | None) -> None:
-        header = torch.full((_HEADER,), -1, dtype=torch.long)
-        if item is not None:
-            header[:_FIXED] = torch.tensor([
-                item.request_id, item.prompt_len, item.tokens.numel(), len(item.group_lo), len(item.drafts),
-                int(item.drafter_geometry is not None), item.reused_tokens, item.drafter_lo,
-            ])
-            header[_FIXED : _FIXED + len(item.group_lo)] = torch.tensor(item.group_lo)
-        dist.send(header.to(self.wire), self.peer)
-        if item is None:
-            return
-        dist.send(item.tokens.to(self.wire, torch.long).contiguous(), self.peer)
-        for k, v in zip(item.keys, item.values):
-            dist.send(k.to(self.wire, self.dtype).contiguous(), self.peer)
-            dist.send(v.to(self.wire, self.dtype).contiguous(), self.peer)
-        if item.drafts:
-            dist.send(torch.tensor(item.drafts, dtype=torch.long, device=self.wire), self.peer)
-        if item.drafter_geometry is not None:
-            geometry = item.drafter_geometry
-            dist.send(torch.tensor(geometry.to_wire(), dtype=torch.long, device=self.wire), self.peer)
-            shapes = payload_shapes(geometry, item.prompt_len, item.drafter_lo)
-            for t, (shape, dtype) in zip(item.drafter_payload, shapes):
-                if tuple(t.shape) != shape:
-                    raise ValueError(
-                        f"request {item.request_id}: drafter context tensor {tuple(t.shape)}, the header says {shape}"
-                    )
-                dist.send(t.to(self.wire, dtype).contiguous(), self.peer)
-
-    def recv(self) -> Transfer | None:
-        header = torch.empty(_HEADER, dtype=torch.long, device=self.wire)
-        dist.recv(header, self.peer)
-        header = header.cpu()
-        if int(header[0]) < 0:
-            return None
-        rid, prompt_len, num_tokens, num_groups, num_drafts, has_ctx, reused, drafter_lo = (
-            int(x) for x in header[:_FIXED]
-        )
-        group_lo = [int(x) for x in header[_FIXED : _FIXED + num_groups]]
-        tokens = torch.empty(num_tokens, dtype=torch.long, device=self.wire)
-        dist.recv(tokens, self.peer)
-        keys, values = [], []
-        for lo in group_lo:
-            k = torch.empty(prompt_len - lo, self.dim, dtype=self.dtype, device=self.wire)
-            v = torch.empty_like(k)
-            dist.recv(k, self.peer)
-            dist.recv(v, self.peer)
-            keys.append(k)
-            values.append(v)
-        item = Transfer(rid, prompt_len, tokens, group_lo, keys, values, reused_tokens=reused, drafter_lo=drafter_lo)
-        if num_drafts > 0:
-            drafts = torch.empty(num_drafts, dtype=torch.long, device=self.wire)
-            dist.recv(drafts, self.peer)
-            item.drafts = drafts.cpu().tolist()
-        if has_ctx:
-            raw = torch.empty(HEADER_INTS, dtype=torch.long, device=self.wire)
-            dist.recv(raw, self.peer)
-            # Shaped by the sender's header, whatever this worker expects: the stream stays in step
-            # and the receiver decides afterwards whether to take it.
-            geometry = DrafterContextGeometry.from_wire(raw.cpu().tolist())
-            item.drafter_geometry = geometry
-            for shape, dtype in payload_shapes(geometry, prompt_len, drafter_lo):
-                t = torch.empty(shape, dtype=dtype, device=self.wire)
-                dist.recv(t, self.peer)
-                item.drafter_payload.append(t)
-        return item
-
-
 def transfer_range(prompt_len: int, window: int | None) -> tuple[int, int]:
     """Absolute positions `[lo, prompt_len)` of target K/V the generation worker reads.
 
@@ -239,11 +115,10 @@ def transfer_range(prompt_len: int, window: int | None) -> tuple[int, int]:
     position m itself is computed there. So exactly `[max(0, m + 1 - W), m)` is
     sent, all of the prompt for full attention. Sending one position more (from
     `m - W`) would write onto a page the generation-init cache (history m) has
-    already released whenever `m + 1 - W` starts a page.
+    already released whenever `m + 1 - W` starts a page. A generation worker's
+    prefix hit raises the start further (`manager.gen_init_reuse.receive_start`).
     """
-    if window is None:
-        return 0, prompt_len
-    return max(0, prompt_len + 1 - window), prompt_len
+    return receive_start(window, prompt_len), prompt_len
 
 
 def handoff_settings(executor) -> HandoffSettings:
@@ -254,23 +129,50 @@ def handoff_settings(executor) -> HandoffSettings:
     return settings
 
 
-def transfer_from(req: LlmRequest, executor) -> Transfer:
+def offer_for(req: LlmRequest) -> Offer:
+    """Round trip, step 1: the request's prompt and first token."""
+    return Offer(req.py_request_id, req.prompt_len, torch.tensor(req.tokens[: req.prompt_len + 1], dtype=torch.long))
+
+
+def generation_hit(offer: Offer, executor) -> GenHit:
+    """Round trip, step 2 (generation worker): the prefix its pools hold for this prompt. Changes nothing.
+
+    `tokens`: `find_gen_init_hit` of the target manager (joint with the draft
+    pool when paired); `drafter_tokens`: the same hit when the draft pool
+    adopts it too (joint reuse), else 0.
+    """
+    tm, dm = executor.target_manager, executor.draft_manager
+    if not tm.block_reuse:
+        return GenHit(offer.request_id)
+    req = LlmRequest(offer.request_id, prompt_len=offer.prompt_len, tokens=offer.tokens.tolist(),
+                     state=LlmRequestState.DISAGG_GENERATION_INIT)
+    hit = tm.find_gen_init_hit(req)
+    joint = dm is not None and dm.block_reuse and dm in tm._reuse_partners
+    return GenHit(offer.request_id, hit, hit if joint else 0)
+
+
+def transfer_from(req: LlmRequest, executor, hit: GenHit | None = None) -> Transfer:
     """What the context worker sends for a request whose first token exists (pages still held).
 
-    With a drafter and `drafter_handoff` `window`: also its drafter context
-    (`DFlashSpeculator.export_context`) and the drafts it proposed with the first token.
+    `hit`: the generation worker's answer (round trip, step 2): target K/V starts
+    at `max(window start, hit.tokens)` per group, the drafter context at
+    `max(drafter_lo, hit.drafter_tokens)`. With a drafter and `drafter_handoff`
+    `window`: also its drafter context (`DFlashSpeculator.export_context`) and the
+    drafts it proposed with the first token.
     """
+    hit = hit or GenHit(req.py_request_id)
     model = executor.target_model
     rid, m = req.py_request_id, req.prompt_len
     group_lo, keys, values = [], [], []
     for g, group in enumerate(executor.target_manager.layer_groups):
-        lo, _ = transfer_range(m, group.life_cycle.window)
+        lo = receive_start(group.life_cycle.window, m, hit.tokens)
         k, v = model.read_kv(rid, lo, m, g)
         group_lo.append(lo)
         keys.append(k)
         values.append(v)
     tokens = torch.tensor(req.tokens[: m + 1], dtype=torch.long)
-    item = Transfer(rid, m, tokens, group_lo, keys, values, reused_tokens=req.reused_tokens)
+    item = Transfer(rid, m, tokens, group_lo, keys, values, reused_tokens=req.reused_tokens,
+                    gen_reused_tokens=hit.tokens, gen_drafter_reused=hit.drafter_tokens)
     settings = handoff_settings(executor)
     if settings.mode is DrafterHandoff.WINDOW:
         speculator = executor.speculator
@@ -279,10 +181,17 @@ def transfer_from(req: LlmRequest, executor) -> Transfer:
         # Without joint reuse the drafter computed only [reused_tokens, m): nothing below it exists to send.
         if not getattr(executor.draft_manager, "block_reuse", False):
             item.drafter_lo = req.reused_tokens
-        payload = speculator.export_context(req, executor.tokens[rid], geometry, floor=item.drafter_lo)
+        payload = speculator.export_context(req, executor.tokens[rid], geometry, floor=item.drafter_floor)
         item.drafter_payload = [t.cpu() for t in payload]
         item.drafts = [int(t) for t in (req.py_draft_tokens or [])]
     return item
+
+
+def hand_over(channel: Channel, req: LlmRequest, executor) -> None:
+    """Context worker, a request's first token exists: offer it, learn the generation worker's hit, send."""
+    channel.send_offer(offer_for(req))
+    hit = channel.recv_reply(req.py_request_id)
+    channel.send(transfer_from(req, executor, hit))
 
 
 def _accepted_context(item: Transfer, executor, settings: HandoffSettings) -> bool:
@@ -306,11 +215,60 @@ def _accepted_context(item: Transfer, executor, settings: HandoffSettings) -> bo
     return True
 
 
+def _prepare(item: Transfer, executor, req: LlmRequest, take_context: bool) -> None:
+    """Both generation-init caches (adopting the announced hits), the adopted pages checked, the drafter
+    context written and its slot seeded. All or nothing: on any error every cache and the slot are freed."""
+    tm, dm, speculator = executor.target_manager, executor.draft_manager, executor.speculator
+    tm.prepare_disagg_gen_init(req, reused_tokens=item.gen_reused_tokens)
+    try:
+        if dm is not None:
+            dm.prepare_disagg_gen_init(req, reused_tokens=item.gen_drafter_reused)
+        if item.gen_reused_tokens:  # the adopted target pages hold this prompt's K/V (else an error)
+            executor.stats.gen_reused_positions_checked += executor.target_model.check_reused(
+                req.py_request_id, item.tokens, item.gen_reused_tokens)
+        if take_context:
+            speculator.import_context(req.py_request_id, item.prompt_len, item.drafter_geometry,
+                                      item.drafter_payload, floor=item.drafter_floor, seed_floor=item.drafter_lo)
+            if item.gen_drafter_reused:
+                speculator.check_adopted_context(req.py_request_id, item.tokens, item.prompt_len, item.drafter_lo,
+                                                 item.gen_drafter_reused, item.drafter_geometry)
+    except Exception:
+        tm.free_resources(req)
+        if dm is not None and dm.has_cache(req.py_request_id):
+            dm.free_resources(req)
+        if speculator is not None:
+            speculator.release(req.py_request_id)  # a pending seed, what the checker saw written
+        raise
+
+
+def _count_bytes(item: Transfer, executor, req: LlmRequest, settings: HandoffSettings, take_context: bool) -> None:
+    """The handoff's bytes on the wire, and what the same payload would have cost without the round trip."""
+    stats, m = executor.stats, item.prompt_len
+    row = executor.target_model.config.dim * 2 * executor.target_manager.config.dtype.itemsize  # K + V
+    without = sum((m - transfer_range(m, g.life_cycle.window)[0]) * row for g in executor.target_manager.layer_groups)
+    sent = item.target_bytes
+    if hasattr(executor.speculator, "handoff_geometry") and executor.draft_manager is not None:
+        own = executor.speculator.handoff_geometry(settings.form)
+        full = own.payload_bytes(m, whole_prompt=True)
+        drafter = item.drafter_bytes if take_context else 0
+        stats.full_drafter_bytes += full
+        stats.drafter_bytes_sent += drafter
+        stats.drafter_bytes_by_request[req.py_request_id] = (m, drafter, full)
+        sent += item.drafter_bytes
+        if item.drafter_geometry is not None:
+            without += payload_bytes(item.drafter_geometry, m, item.drafter_lo)
+    stats.handoff_bytes_sent += sent
+    stats.handoff_bytes_without_gen_reuse += without
+
+
 def admit_transfer(item: Transfer, executor) -> LlmRequest:
     """Generation worker: build both generation-init caches, write the received K/V and drafter context.
 
-    All or nothing: a refused drafter context (`DrafterContextMismatch`) or an
-    admission refusal allocates nothing; a failure after the caches exist frees them.
+    With a generation-worker hit (`item.gen_reused_tokens`, answered in the round
+    trip) the caches adopt it first; afterwards the prompt's whole pages are
+    published (`publish_gen_init`). All or nothing: a refused drafter context
+    (`DrafterContextMismatch`) or an admission refusal allocates nothing; a
+    failure after the caches exist frees them.
     """
     settings = handoff_settings(executor)
     take_context = _accepted_context(item, executor, settings)
@@ -322,30 +280,15 @@ def admit_transfer(item: Transfer, executor) -> LlmRequest:
         max_new_tokens=executor.max_new_tokens,
     )
     executor.check_admission(req)
-    executor.target_manager.prepare_disagg_gen_init(req)
-    try:
-        if executor.draft_manager is not None:
-            executor.draft_manager.prepare_disagg_gen_init(req)
-        if take_context:
-            executor.speculator.import_context(req.py_request_id, item.prompt_len, item.drafter_geometry,
-                                               item.drafter_payload, floor=item.drafter_lo)
-    except Exception:
-        executor.target_manager.free_resources(req)
-        if executor.draft_manager is not None and executor.draft_manager.has_cache(req.py_request_id):
-            executor.draft_manager.free_resources(req)
-        if executor.speculator is not None:
-            executor.speculator.release(req.py_request_id)  # a pending seed, what the checker saw written
-        raise
+    _prepare(item, executor, req, take_context)
     for g, (lo, k, v) in enumerate(zip(item.group_lo, item.keys, item.values)):
         executor.target_model.write_kv_values(req.py_request_id, lo, k, v, groups=[g])
-    if hasattr(executor.speculator, "handoff_geometry") and executor.draft_manager is not None:
-        own = executor.speculator.handoff_geometry(settings.form)
-        full = own.payload_bytes(item.prompt_len, whole_prompt=True)
-        sent = item.drafter_bytes if take_context else 0
-        executor.stats.full_drafter_bytes += full
-        executor.stats.drafter_bytes_sent += sent
-        executor.stats.drafter_bytes_by_request[req.py_request_id] = (item.prompt_len, sent, full)
+    executor.target_manager.publish_gen_init(req)
+    if take_context and executor.draft_manager is not None:
+        executor.draft_manager.publish_gen_init(req, written_from=item.drafter_floor)
+    _count_bytes(item, executor, req, settings, take_context)
     executor.stats.reused_tokens[req.py_request_id] = item.reused_tokens  # the context worker's prefix hit
+    executor.stats.gen_reused_tokens[req.py_request_id] = item.gen_reused_tokens
     if take_context:
         # The context worker's drafter proposed these with the first token, from the same context.
         req.py_draft_tokens = list(item.drafts[: executor.scheduler.config.max_draft_len])
@@ -399,13 +342,21 @@ def _wire(executor, backend: str) -> Channel:
 def _context_rank(executor, prompts: list[torch.Tensor], report: Callable[[Any], None] | None = None):
     """The context worker's run; returns its `RunStats` (outputs dropped: only the first tokens)."""
     channel = _wire(executor, dist.get_backend())
-    executor.on_complete = lambda req, ex: channel.send(transfer_from(req, ex))
+    midway: list[int] = []  # a request whose round trip an error cut short: the stream cannot be ended cleanly
+
+    def on_complete(req: LlmRequest, ex) -> None:
+        midway.append(req.py_request_id)
+        hand_over(channel, req, ex)
+        midway.pop()
+
+    executor.on_complete = on_complete
     for rid, prompt in enumerate(prompts):
         executor.add_request(rid, prompt)
     try:
         stats = executor.run(progress=None if report is None else lambda steps, finished: report(executor))
     finally:
-        channel.send(None)
+        if not midway:
+            channel.send_offer(None)  # the end of the stream
     stats.outputs = {}
     stats.draft_pool_occupancy = []
     return stats
@@ -420,10 +371,15 @@ def _generation_rank(executor, report: Callable[[Any], None] | None = None):
 
     while pending or (executor.scheduler.has_work() and not dead):
         while pending and (dead or len(executor.scheduler.active) < limit):
-            item = channel.recv()
-            if item is None:
+            offer = channel.recv_offer()
+            if offer is None:
                 pending = False
-            elif not dead:
+                continue
+            # The round trip: answer with this worker's hit and read the payload at once (nothing in
+            # between changes the pools, so the hit still holds when the caches adopt it).
+            channel.send_reply(GenHit(offer.request_id) if dead else generation_hit(offer, executor))
+            item = channel.recv(offer)
+            if not dead:
                 try:
                     admit_transfer(item, executor)
                 except (AdmissionRefused, DrafterContextMismatch) as err:

@@ -23,7 +23,7 @@ from ..manager.rules import MirrorSizing
 from ..request import LlmRequest, ScheduledRequests
 from ..speculative import DFlashSpecMetadata, Seeding
 from ..speculative.handoff import DrafterContextGeometry, HandoffForm
-from .disagg import clipped_hidden_range, clipped_ranges
+from .disagg_wire import clipped_hidden_range, clipped_ranges
 from .drafter import DFlashDrafter, DFlashDrafterConfig
 from .features import TokenFeatures
 from .ownership import OwnershipChecker
@@ -362,7 +362,7 @@ class DFlashSpeculator:
 
     def import_context(
         self, request_id: int, prompt_len: int, geometry: DrafterContextGeometry, payload: Sequence[torch.Tensor],
-        *, floor: int = 0,
+        *, floor: int = 0, seed_floor: int | None = None,
     ) -> tuple[int, int]:
         """Generation worker, after ``prepare_disagg_gen_init``: write a received drafter context and seed the slot.
 
@@ -372,7 +372,10 @@ class DFlashSpeculator:
         position of every group. Returns ``(lo, m)``. The caller has checked the
         geometry; a tensor of the wrong shape or an unbacked page raises
         ``ValueError`` before the slot is seeded. ``floor``: the context was
-        sent from there on (see ``export_context``); the slot starts there.
+        sent from there on (see ``export_context``); the slot starts there,
+        or at ``seed_floor`` when given (joint block reuse on this worker: the
+        mirror adopted pages holding ``[seed_floor, floor)``; see
+        ``check_adopted_context``).
         """
         m = prompt_len
         ranges = clipped_ranges(geometry, m, floor)
@@ -405,9 +408,43 @@ class DFlashSpeculator:
             self.drafter.mirror_pages(request_id, gi, lo, hi, "writing a received drafter context")
         for gi, ((lo, _), kv) in enumerate(zip(ranges, kvs)):
             self.drafter.write_received(request_id, gi, lo, kv)
-        lo = min(max(geometry.seed_start(m), floor), m)
+        lo = min(max(geometry.seed_start(m), floor if seed_floor is None else seed_floor), m)
         self.meta.seed_context(request_id, lo, m, self.draft_manager)
         return lo, m
+
+    def check_adopted_context(
+        self, request_id: int, tokens: torch.Tensor, prompt_len: int, seed_floor: int, hit: int,
+        geometry: DrafterContextGeometry,
+    ) -> int:
+        """Generation worker, joint block reuse: the slot reads absolute positions ``[lo, hit)`` (``lo`` its seed
+        start) from pages its mirror adopted, written for an earlier request with the same prefix.
+
+        Checks them against what this prompt's ``tokens`` give (``RuntimeError`` naming the request, group and
+        position otherwise) and declares them to the ownership checker. A page's last position is exempt from
+        the comparison: the toy hidden state carries the next token, which lies past the page (see
+        ``_note_page_ends``). Returns the positions checked.
+        """
+        lo = min(max(geometry.seed_start(prompt_len), seed_floor), prompt_len)
+        if hit <= lo:
+            return 0
+        P = self.meta.tokens_per_block
+        positions = torch.arange(lo, hit, device=tokens.device)
+        hidden = self._hidden(tokens, lo, hit)
+        for gi in range(self.drafter.num_groups):
+            stored = self.drafter.read_stored(request_id, gi, lo, hit)
+            want = self.drafter.project(gi, hidden, positions).to(stored.dtype)
+            close = torch.isclose(stored, want, rtol=1e-5, atol=1e-6).flatten(1).all(dim=1)
+            bad = (~close & ((positions + 1) % P != 0).to(close.device)).nonzero().reshape(-1)
+            if bad.numel():
+                p = int(positions[int(bad[0])])
+                raise RuntimeError(
+                    f"request {request_id}: adopted drafter K/V at position {p} (layer group {gi}) differs from "
+                    f"what its tokens give; {bad.numel()} of {hit - lo} adopted positions differ (hit of {hit} tokens)"
+                )
+            if self.checker is not None:
+                group = self.drafter.group_layers(gi)
+                self.checker.mark_reused(request_id, group[0], group[1], positions.to(self.drafter.device), stored)
+        return hit - lo
 
     def evict(self, request_id: int) -> None:
         """Take a live request's slot away; its next row is seeded afresh."""

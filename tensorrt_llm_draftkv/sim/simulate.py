@@ -81,6 +81,13 @@ class RunResult:
     reused_positions_checked: int = 0  # target K/V positions on reused pages checked against the tokens
     reuse_paired_run: str | None = None
     acceptance_vs_no_reuse: float | None = None
+    # Disaggregated rows: the prefix each request's generation-init caches adopted on the generation worker
+    # (request order), and the handoff's bytes (target K/V + drafter context) against what the same handoff
+    # would have cost without the round trip that tells the context worker that hit.
+    gen_reused_tokens: list[int] = field(default_factory=list)
+    handoff_bytes_sent: int = 0
+    handoff_bytes_without_gen_reuse: int = 0
+    handoff_bytes_saved: int = 0
     draft_pool_occupancy: list[int] = field(default_factory=list, repr=False)
     # The run's own geometry (the scenario's setup with the run's overrides) and its
     # in-flight limit; when unset, `to_json(scenario)` looks the run up by name.
@@ -490,7 +497,16 @@ def _result(scenario: Scenario, spec, sizing: MirrorSizing, stats, references, b
         prefill_tokens_saved=stats.prefill_tokens_saved,
         pages_held_at_end=stats.pages_held_by_both,
         shared_page_writes=stats.shared_page_writes + ctx.shared_page_writes,
-        reused_positions_checked=stats.reused_positions_checked + ctx.reused_positions_checked,
+        reused_positions_checked=(
+            stats.reused_positions_checked + stats.gen_reused_positions_checked + ctx.reused_positions_checked
+        ),
+        gen_reused_tokens=(
+            [stats.gen_reused_tokens.get(rid, 0) for rid in range(len(spec.prompts))]
+            if spec.mode == "disaggregated" else []
+        ),
+        handoff_bytes_sent=stats.handoff_bytes_sent,
+        handoff_bytes_without_gen_reuse=stats.handoff_bytes_without_gen_reuse,
+        handoff_bytes_saved=stats.handoff_bytes_saved,
         cached_free_pages_at_end=stats.cached_free_pages_at_end + (
             stats.context_worker.cached_free_pages_at_end if stats.context_worker else 0
         ),
@@ -554,7 +570,7 @@ def format_table(results: list[RunResult]) -> str:
     head = (
         f"{'run':<{w}} {'sizing':<8} {'mode':<6} {'finished':>9} {'resize fail':>11} {'foreign':>8} "
         f"{'peak/est pages':>15} {'warmup':>7} {'accept':>7} {'tok/s':>8} {'= target':>9} {'handoff':>8} "
-        f"{'reused':>13}  events / first error"
+        f"{'reused':>17}  events / first error"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -566,18 +582,19 @@ def format_table(results: list[RunResult]) -> str:
             f"{r.name:<{w}} {r.sizing:<8} {r.mode[:6]:<6} {f'{r.finished}/{total}':>9} {r.resize_failures:>11} "
             f"{r.foreign_page_accesses:>8} {f'{r.peak_draft_pages_per_request}/{r.estimated_draft_pages_per_request}':>15} "
             f"{('skipped' if r.skipped_warmups else 'ok'):>7} {r.acceptance_length:>7.3f} {r.tokens_per_s:>8.1f} "
-            f"{match:>9} {_handoff_cell(r):>8} {_reuse_cell(r):>13}  {err}"
+            f"{match:>9} {_handoff_cell(r):>8} {_reuse_cell(r):>17}  {err}"
         )
     return "\n".join(lines)
 
 
 def _reuse_cell(r: RunResult) -> str:
     """`-` without block reuse, else the mode's tag and the prefill tokens saved (`j:196608`, `t:0`;
-    `T:` for target-all)."""
+    `T:` for target-all); a disaggregated row adds the generation worker's hits (`j:196608/g:196608`)."""
     if r.block_reuse == "off":
         return "-"
     tag = {"target": "t", "target-all": "T", "joint": "j"}[r.block_reuse]
-    return f"{tag}:{r.prefill_tokens_saved}"
+    gen = f"/g:{sum(r.gen_reused_tokens)}" if r.mode == "disaggregated" else ""
+    return f"{tag}:{r.prefill_tokens_saved}{gen}"
 
 
 def _handoff_cell(r: RunResult) -> str:
@@ -618,10 +635,16 @@ def format_reuse_pairs(results: list[RunResult]) -> str:
         if r.reuse_paired_run is None or r.acceptance_vs_no_reuse is None:
             continue
         twin = next(a for a in results if a.name == r.reuse_paired_run and a.sizing == r.sizing)
+        gen = ""
+        if r.mode == "disaggregated":
+            gen = (
+                f"; generation worker reused {sum(r.gen_reused_tokens):,}, handoff {r.handoff_bytes_sent:,} of "
+                f"{r.handoff_bytes_without_gen_reuse:,} bytes ({r.handoff_bytes_saved:,} saved)"
+            )
         lines.append(
             f"accept {r.acceptance_length:.3f} / {twin.acceptance_length:.3f} = {r.acceptance_vs_no_reuse:.3f}: "
             f"{r.name} vs {twin.name} ({r.sizing}, {r.mode}, {r.block_reuse} reuse), "
-            f"{r.prefill_tokens_saved:,} of {sum(r.prompt_tokens):,} prompt tokens reused"
+            f"{r.prefill_tokens_saved:,} of {sum(r.prompt_tokens):,} prompt tokens reused{gen}"
         )
     if not lines:
         return ""

@@ -29,6 +29,11 @@ class RunStats:
     #: per request: prompt tokens a prefix hit let it skip (block reuse; on the context worker when disaggregated)
     reused_tokens: dict[int, int] = field(default_factory=dict)
     reused_positions_checked: int = 0  # target K/V positions of reused pages checked against the tokens
+    #: generation worker (disaggregated): per request, the prefix its own pools adopted at generation init
+    gen_reused_tokens: dict[int, int] = field(default_factory=dict)
+    gen_reused_positions_checked: int = 0  # target K/V positions of those pages checked against the tokens
+    handoff_bytes_sent: int = 0  # target K/V + drafter context the generation worker received
+    handoff_bytes_without_gen_reuse: int = 0  # what the same handoff would have cost without the round trip
     #: pages still held (every pool of both managers) once every request finished; -1 if not checked
     pages_held_at_end: int = -1
     cached_free_pages_at_end: int = 0  # of the rest: published pages kept for later hits
@@ -62,6 +67,11 @@ class RunStats:
     def prefill_tokens_saved(self) -> int:
         """Prompt tokens no worker computed thanks to prefix hits (target and drafter)."""
         return sum(self.reused_tokens.values())
+
+    @property
+    def handoff_bytes_saved(self) -> int:
+        """Handoff bytes the generation worker's prefix hits kept off the wire."""
+        return self.handoff_bytes_without_gen_reuse - self.handoff_bytes_sent
 
     @property
     def tokens_per_s(self) -> float:

@@ -250,8 +250,8 @@ def test_disaggregated_reuse_runs_are_clean_and_the_context_worker_saves_the_pre
         expected = expected_reused(reuse)
         assert s.reused_tokens == expected and s.context_worker.reused_tokens == expected
         assert s.prefill_tokens_saved == sum(expected.values())
-        # generation worker: no reuse there, nothing cached; context worker: the prefix pages stay cached
-        assert s.cached_free_pages_at_end == 0
+        # both workers keep the prefix pages cached (the generation worker: see test_gen_worker_reuse.py)
+        assert (s.cached_free_pages_at_end > 0) == (reuse != "off")
         assert (s.context_worker.cached_free_pages_at_end > 0) == (reuse != "off")
         # the generation worker's acceptance reaches its aggregated twin's (same reuse mode)
         assert s.acceptance_length >= 0.97 * agg[reuse].acceptance_length
@@ -264,7 +264,9 @@ def test_target_only_reuse_hands_over_only_the_drafter_context_it_computed(disag
     """Without joint reuse the context worker's drafter has nothing below the hit: it sends from there on."""
     _, _, stats, _ = disaggregated
     off, capped, target, joint = (stats[m] for m in MODES)
-    assert joint.drafter_bytes_sent == off.drafter_bytes_sent  # joint reads the prefix's window from shared pages
+    # joint: the context worker reads the prefix's window from shared pages, but the generation worker's
+    # draft pool holds the prefix too, so only the tails go (test_gen_worker_reuse.py)
+    assert 0 < joint.drafter_bytes_sent < off.drafter_bytes_sent
     assert 0 < target.drafter_bytes_sent < capped.drafter_bytes_sent <= off.drafter_bytes_sent
     assert off.handoff_seeds == target.handoff_seeds == joint.handoff_seeds == len(TAILS)
     full = {rid: entry for rid, entry in off.drafter_bytes_by_request.items()}

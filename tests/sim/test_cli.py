@@ -219,6 +219,17 @@ def test_the_default_command_runs_the_whole_scenario_in_under_two_minutes():
             hits = [max(b for b in range(0, prefix + 1, setup.chunk) if b <= cap) for cap in caps]
             assert 0 < sum(hits) < 3 * prefix
             expected = f"t:{sum(hits)}"
+        if spec.mode == "disaggregated":
+            # the generation worker adopts the prefix where a window of its reusing pools still reads it at the
+            # prompt end (the draft pool's, widened by the trail page, only under joint reuse)
+            P = setup.tokens_per_block
+            windows = [setup.target_window] + ([setup.draft_window + P] if name.endswith("-joint") else [])
+            gen = sum(
+                prefix for t in spec.prompts[1:]
+                if any(w is None or (prefix + t + 1 - w) // P < prefix // P for w in windows)
+            )
+            assert 0 < gen <= 3 * prefix
+            expected += f"/g:{gen}"
         assert cell == expected, name
         ratio = float(rows[name, "history"][8]) / float(rows[base, "history"][8])
         assert ratio >= 0.97, f"{name}: {ratio:.3f}"
