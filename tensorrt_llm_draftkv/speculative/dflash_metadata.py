@@ -2,7 +2,8 @@
 
 It maps each step's rows (context requests, then generation requests) to
 slots kept by :class:`~.slot_table.SlotTable`, seeds fresh slots by
-:mod:`.slot_rules`, and hands out the step's addressing from :mod:`.addressing`.
+:mod:`.slot_rules` (each row placed by :mod:`.row_placement`), and hands out
+the step's addressing from :mod:`.addressing`.
 A slot ``(ctx_len L, base_pages b)`` holds context at slot positions
 ``[b*P, L)`` (absolute token positions, minus a lag ``< P`` after a
 page-aligned generation seed); reads see ``row[b:]`` (pages) with length
@@ -35,12 +36,11 @@ import torch
 
 from ..kernels import BlockTables, PagedLatentPrep
 from ..request import LlmRequest, ScheduledRequests
-from . import addressing
-from . import slot_rules as rules
+from . import addressing, row_placement
 from .addressing import ContextStorePlan, Row, required_extra_kv_tokens
-from .handoff import check_seed_range, mirror_backed_from
-from .slot_rules import Seeding, SlotStart, StartRules
-from .slot_table import NO_STORE_LIMIT, NoFreeSlotError, SlotPlan, SlotSnapshot, SlotTable
+from .handoff_seed import check_seed_range, mirror_backed_from
+from .slot_rules import Seeding, SlotStart
+from .slot_table import NoFreeSlotError, SlotPlan, SlotSnapshot, SlotTable
 
 R = TypeVar("R")
 
@@ -248,7 +248,11 @@ class DFlashSpecMetadata:
         self._validate(ids, dm)
         dummy_ids = [r.py_request_id for r in reqs if r.is_dummy]
         plan = self.slots.plan(ids, dummy_ids, None if dm is None else dm.has_cache)
-        rows, seeds = self._plan_rows(plan, reqs, kinds, self._starts(dm))
+        starts = row_placement.start_rules(
+            dm, tokens_per_block=self.tokens_per_block, max_ctx_len=self.max_ctx_len,
+            page_aligned_seed=self.page_aligned_seed, rebased_view=self._ctx_reads_rebased_view, seeding=self.seeding,
+        )
+        rows, seeds = row_placement.plan_rows(plan, reqs, kinds, starts, self.slots.take_context_seed)
         tables = addressing.decode_tables(
             dm, ids, [r.slot for r in rows], backend=self.backend, fused=self.fused,
             pages_per_slot=self.arena_pages_per_slot, device=self.device,
@@ -271,68 +275,6 @@ class DFlashSpecMetadata:
                 f"DFlash drafter: requests {missing} have no draft mirror; call the draft manager's "
                 "prepare_resources (or prepare_disagg_gen_init) first"
             )
-
-    def _seed_is_page_aligned(self, dm: Any) -> bool:
-        if self.page_aligned_seed is not None:
-            return self.page_aligned_seed
-        return rules.page_aligned_seed(
-            windows=tuple(g.window for g in dm.config.layer_groups),
-            trail_tokens=dm.draft_slot_trail_tokens,
-            tokens_per_block=self.tokens_per_block,
-        )
-
-    def _starts(self, dm: Any) -> StartRules:
-        arena = dm is None
-        return StartRules(
-            tokens_per_block=self.tokens_per_block,
-            store_limit=self.max_ctx_len if arena else NO_STORE_LIMIT,
-            paired_pool=bool(dm is not None and getattr(dm, "joint_kv_cache_reuse", False)),
-            page_aligned=True if arena else self._seed_is_page_aligned(dm),
-            private_arena=arena,
-            rebased_view=self._ctx_reads_rebased_view,
-            seeding=self.seeding,
-        )
-
-    def _plan_rows(
-        self, plan: SlotPlan, reqs: list[LlmRequest], kinds: list[str], starts: StartRules
-    ) -> tuple[list[Row], dict[int, SlotStart]]:
-        """Each row's slot and start, on the plan's copies (a fresh generation row is seeded)."""
-        rows: list[Row] = []
-        seeds: dict[int, SlotStart] = {}
-        for req, kind in zip(reqs, kinds):
-            rid = req.py_request_id
-            if req.is_dummy:
-                # Each dummy gets a slot of its own, seeded from its own position every
-                # step: dummies of different sizes must not share lengths or bases.
-                slot, fresh, kind = plan.take_dummy_slot(), True, "dummy"
-            else:
-                slot, fresh = plan.slot_for(rid)
-            if kind == "context":
-                proposing = self._place_context(plan, seeds, req, slot, fresh, starts)
-            else:
-                if fresh:
-                    # The row's absolute position is its history: the first position the slot stores.
-                    # A received drafter context (seed_context) seeds the slot instead of an empty one.
-                    position = max(req.max_beam_num_tokens - 1, 0)
-                    received = self.slots.take_context_seed(plan, rid, position) if kind == "generation" else None
-                    seeds[rid] = start = received or starts.generation(position)
-                    plan.place(slot, start)
-                proposing = True
-            rows.append(Row(req, slot, kind, proposing))
-        return rows, seeds
-
-    @staticmethod
-    def _place_context(
-        plan: SlotPlan, seeds: dict[int, SlotStart], req: LlmRequest, slot: int, fresh: bool, starts: StartRules
-    ) -> bool:
-        """Place a context chunk that does not continue its slot; True if the row proposes."""
-        view = req.target_view
-        if fresh or plan.continues_at(slot) != view.position:
-            seeds[req.py_request_id] = start = starts.context(view.position)
-            plan.place(slot, start)
-            if not fresh:
-                plan.restarted.append(req.py_request_id)
-        return view.position + view.chunk_size >= req.prompt_len
 
     def _apply(
         self, plan: SlotPlan, rows: list[Row], seeds: dict[int, SlotStart], tables: list[BlockTables], dm: Any

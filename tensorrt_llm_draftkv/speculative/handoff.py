@@ -35,7 +35,9 @@ geometry, so the smaller one can be chosen per deployment.
 The wire header is :class:`DrafterContextGeometry` as a fixed-size list of
 integers, version first. A receiver checks it against its own with
 :meth:`DrafterContextGeometry.check_compatible`, which raises
-:class:`DrafterContextMismatch` naming both geometries.
+:class:`DrafterContextMismatch` naming both geometries. The receiver's checks
+before seeding a slot (:func:`check_seed_range`, :func:`mirror_backed_from`)
+live in :mod:`.handoff_seed` and are re-exported here.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ from typing import Sequence
 import torch
 
 from ..config import ParsableEnum, parse_dtype
+from .handoff_seed import check_seed_range, mirror_backed_from
 
 #: Bumped whenever the meaning or layout of the wire header changes.
 HANDOFF_VERSION = 1
@@ -339,58 +342,6 @@ def handoff_bytes(geometry: DrafterContextGeometry, prompt_len: int) -> HandoffB
         full_kv=geometry.kv_bytes(prompt_len, whole_prompt=True),
         full_hidden=geometry.hidden_bytes(prompt_len, whole_prompt=True),
     )
-
-
-def check_seed_range(
-    request_id: int, lo: int, end: int, *, backed_from: int, tokens_per_block: int
-) -> None:
-    """Refuse a context seed ``[lo, end)`` (absolute tokens) the mirror cannot hold.
-
-    ``backed_from``: the first absolute position whose page the mirror backs in
-    every draft layer group (a multiple of ``tokens_per_block``). Raises
-    ``ValueError`` naming the request and the numbers.
-    """
-    if lo < 0 or lo > end:
-        raise ValueError(
-            f"request {request_id}: cannot seed a drafter context [{lo}, {end}): it must start at or after 0 "
-            f"and not above its end"
-        )
-    if lo < end and lo < backed_from:  # an empty context needs no page
-        raise ValueError(
-            f"request {request_id}: cannot seed a drafter context [{lo}, {end}): position {lo} is on page "
-            f"{lo // tokens_per_block}, but the draft mirror backs pages only from {backed_from // tokens_per_block} "
-            f"(position {backed_from}) on"
-        )
-
-
-
-
-def mirror_backed_from(draft_manager, request_id: int, end: int) -> int:
-    """First absolute position from which the request's draft mirror backs every page below ``end``, in every group.
-
-    A multiple of the page size (``ceil(end / P) * P`` when a window keeps not
-    even the page holding ``end - 1``). Raises ``ValueError`` naming the
-    request and the numbers when the mirror's row does not reach ``end``, and
-    the manager's own error when the request has no mirror.
-    """
-    if end < 1:
-        raise ValueError(f"request {request_id}: a received drafter context must end past position 0, got {end}")
-    cache = draft_manager.get_cache(request_id)
-    P = draft_manager.config.tokens_per_block
-    top = -(-end // P)  # ordinals [.., top) hold positions below `end`
-    first = 0
-    for g in range(len(draft_manager.layer_groups)):
-        row = cache.block_row(g)
-        i = top
-        if len(row) < top:
-            raise ValueError(
-                f"request {request_id}: its draft mirror does not back page {top - 1} (positions up to {end}) in "
-                f"layer group {g}: its row has {len(row)} entries"
-            )
-        while i > 0 and row[i - 1] >= 0:
-            i -= 1
-        first = max(first, i)
-    return first * P
 
 
 __all__ = [

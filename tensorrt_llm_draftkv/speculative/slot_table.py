@@ -13,15 +13,16 @@ dummy slots for warmup dummies), snapshots and rolls back their state, evicts
 and frees them (telling every release listener), clamps what a slot stores
 and reads against ``max_ctx_len``, and keeps a received drafter context
 (disaggregated handoff, absolute ``[lo, end)``) until the request's first slot
-is seeded from it.
+is seeded from it. Its value types, a step's :class:`SlotPlan` and the
+:class:`SlotSnapshot`, live in :mod:`.slot_plan` and are re-exported here.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Sequence
 
 import torch
 
+from .slot_plan import SlotPlan, SlotSnapshot
 from .slot_rules import SlotStart, context_seed
 
 #: Stores on a shared pool are never clamped (int32-safe stand-in for "no limit").
@@ -39,56 +40,6 @@ class NoFreeSlotError(RuntimeError):
         self.request_ids = request_ids
         self.needed = needed
         self.free = free
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotSnapshot:
-    """Context lengths and bases of every slot (device and host), for :meth:`SlotTable.rollback`."""
-
-    ctx_len: torch.Tensor
-    base_pages: torch.Tensor
-    ctx_len_host: tuple[int, ...]
-    base_pages_host: tuple[int, ...]
-    offsets_host: tuple[int, ...]
-
-
-@dataclasses.dataclass
-class SlotPlan:
-    """Working copies of the slot map and host state for one ``prepare()``; applied all at once."""
-
-    slot_of: dict[int, int]
-    free: list[int]
-    ctx: list[int]
-    base: list[int]
-    off: list[int]
-    next_dummy: int
-    departed: list[int] = dataclasses.field(default_factory=list)
-    restarted: list[int] = dataclasses.field(default_factory=list)
-    #: requests whose received context (``SlotTable.seed_context``) seeded their fresh slot in this plan
-    context_seeded: list[int] = dataclasses.field(default_factory=list)
-    #: pending context seeds dropped in this plan (their mirror is gone)
-    dropped_seeds: list[int] = dataclasses.field(default_factory=list)
-
-    def take_dummy_slot(self) -> int:
-        """The next dummy slot: every dummy row of a step gets one of its own."""
-        slot, self.next_dummy = self.next_dummy, self.next_dummy + 1
-        return slot
-
-    def slot_for(self, request_id: int) -> tuple[int, bool]:
-        """``(slot, fresh)``: the request's slot, taking the lowest free one if it holds none."""
-        if request_id in self.slot_of:
-            return self.slot_of[request_id], False
-        slot = self.free.pop(0)
-        self.slot_of[request_id] = slot
-        self.ctx[slot] = self.base[slot] = self.off[slot] = 0  # a reused slot starts from base 0
-        return slot, True
-
-    def continues_at(self, slot: int) -> int:
-        """Absolute position the slot continues at (``L + offset``), clamped or not."""
-        return self.ctx[slot] + self.off[slot]
-
-    def place(self, slot: int, start: SlotStart) -> None:
-        self.ctx[slot], self.base[slot], self.off[slot] = start
 
 
 class SlotTable:
