@@ -501,3 +501,16 @@ def test_one_pass_is_one_kernel_launch_cuda():
     if not kernels:
         pytest.skip("profiler recorded no CUDA activity (CUPTI unavailable)")
     assert len(kernels) == 1, kernels
+
+
+def test_one_pass_tiling_default_follows_the_launch_size():
+    """Source tiling for launches of at most 2^19 offsets (latency-bound), read-table tiling above;
+    an explicit ``source_tiles`` wins. The threshold was read off the H200 tilings table."""
+    from tensorrt_llm_draftkv.kernels._checks import _SRC_TILES_MAX_ENTRIES, one_pass_config
+
+    cpu = torch.device("cpu")
+    assert _SRC_TILES_MAX_ENTRIES == 256 * 2048
+    for B, M, want in [(1, 128, True), (256, 2048, True), (257, 2048, False), (64, 16384, False),
+                       (1024, 2048, False), (1, 2**19, True), (1, 2**19 + 1, False)]:
+        assert one_pass_config(B, M, cpu, None, None, None)[4] is want, (B, M)
+        assert one_pass_config(B, M, cpu, None, None, None, not want)[4] is (not want), (B, M)
