@@ -26,10 +26,15 @@ CUDA timings: ``triton.testing.do_bench`` medians, L2 flushed before each call.
 ``direct`` is one Python call per measurement (host cost partly hidden behind
 the flush); ``graph`` the same call captured once in a CUDA graph (side-stream
 warmup first) and replayed. ``host µs``: wall clock per call of back-to-back
-calls with no sync (fast and normal launch for the one-pass form). A sweep of
-BLOCK x num_warps for the one-pass kernel under graph replay, and the kernel
-launches per call (torch.profiler), follow. Every timed path is first checked
-against the torch reference.
+calls with no sync (fast and normal launch for the one-pass form, and
+``kernels.BoundPreparation``, the call bound once to the step's static buffers).
+The graph columns of the one-pass form and the copy are medians of
+``GRAPH_ROUNDS`` interleaved rounds, which also time both tilings of the one-pass
+kernel (read-table tiles and source-ordinal tiles, ``source_tiles=``) so the
+default's threshold can be read off the table. A sweep of BLOCK x num_warps for
+the one-pass kernel under graph replay, and the kernel launches per call
+(torch.profiler), follow. Every timed path is first checked against the torch
+reference.
 
 On CPU (no CUDA, or ``--device cpu``) nothing runs on a GPU: the one-pass and
 two-step forms run in Triton's interpreter when ``TRITON_INTERPRET=1`` and as
