@@ -86,16 +86,21 @@ def handoff_probe_rank(rank: int, **build):
             return seeded
 
         speculator.import_context = checking_import
+    _attach_to_stats(executor, "handoff_probe", probe)
+    return executor
+
+
+def _attach_to_stats(executor, field: str, value) -> None:
+    """Make the stats `executor.run` and `executor.finish` return carry `value` as `field`."""
     for name in ("run", "finish"):
         original = getattr(executor, name)
 
-        def with_probe(*args, _original=original, **kwargs):
+        def with_value(*args, _original=original, **kwargs):
             stats = _original(*args, **kwargs)
-            stats.handoff_probe = probe
+            setattr(stats, field, value)
             return stats
 
-        setattr(executor, name, with_probe)
-    return executor
+        setattr(executor, name, with_value)
 
 
 def _adopted_digests(executor, rid: int, prompt_len: int, hit: int, drafter_hit: int) -> list[str]:
@@ -162,13 +167,5 @@ def reuse_probe_rank(rank: int, **build):
     _install_reuse_probes()
     executor = _build_rank(rank, **build)
     executor.reuse_probe = probe = {}
-    for name in ("run", "finish"):
-        original = getattr(executor, name)
-
-        def with_probe(*args, _original=original, **kwargs):
-            stats = _original(*args, **kwargs)
-            stats.reuse_probe = probe
-            return stats
-
-        setattr(executor, name, with_probe)
+    _attach_to_stats(executor, "reuse_probe", probe)
     return executor

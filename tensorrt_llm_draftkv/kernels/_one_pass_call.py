@@ -43,8 +43,7 @@ def prepare_one_pass(
     """The one-pass form of :func:`prepare_paged_latent` (checks, dispatch, the launch)."""
     if fast_launch and out is not None and impl != "reference" and _fl.ENABLED:
         plan_key = _plans.plan_key(block_offsets, vectors, out, tables, extents, pool_idx, divisor, backend,
-                                   block_size, tokens_per_block, max_new, block, num_warps,
-                                   (split, source_tiles))
+                                   block_size, tokens_per_block, max_new, block, num_warps, split, source_tiles)
         if plan_key is not None and _plans.launch_planned(plan_key, block_offsets, vectors, out, max_ctx):
             _dispatch.LAUNCH_COUNTS["prepare_paged_latent_one_pass"] += 1
             return out
@@ -116,3 +115,29 @@ def prepare_one_pass(
         num_warps=warps,
     )
     return out
+
+
+def bound_launch(
+    block_offsets: torch.Tensor,
+    vectors: tuple[torch.Tensor, ...],
+    out: PagedLatentPrep,
+    *,
+    pool_idx: int,
+    divisor: Optional[int],
+    backend: Optional[str],
+    block_size: int,
+    tokens_per_block: int,
+    max_ctx: int,
+    max_new: int,
+    block: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    split: Optional[int] = None,
+    source_tiles: Optional[bool] = None,
+) -> Optional[tuple]:
+    """The resolved launch (``_one_pass_plans.bound_launch``) of a call :func:`prepare_one_pass` already made
+    with these arguments on CUDA; ``None`` where that call kept no plan (CPU, reference, no fast launch)."""
+    if not (_fl.ENABLED and type(max_ctx) is int):
+        return None
+    key = _plans.plan_key(block_offsets, vectors, out, None, None, pool_idx, divisor, backend, block_size,
+                          tokens_per_block, max_new, block, num_warps, split, source_tiles)
+    return None if key is None else _plans.bound_launch(key, block_offsets, vectors, out, max_ctx)

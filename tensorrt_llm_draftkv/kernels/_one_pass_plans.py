@@ -36,6 +36,7 @@ def plan_key(
     block: Any,
     num_warps: Any,
     split: Any,
+    source_tiles: Any,
 ) -> Optional[tuple]:
     """Everything the checks and the launch sizing of a one-pass call depend on, except ``max_ctx``.
 
@@ -66,7 +67,7 @@ def plan_key(
             id(o.store_offsets), id(o.new_ctx_len), id(o.shift), id(o.extents),
             type(pool_idx), pool_idx, type(divisor), divisor, backend,
             type(block_size), block_size, type(tokens_per_block), tokens_per_block, type(max_new), max_new,
-            block, num_warps, split,
+            block, num_warps, split, source_tiles,
         )
     except (AttributeError, TypeError):  # not tensors: the checked path says what is wrong
         return None
@@ -83,17 +84,36 @@ def remember_plan(key: tuple, ck: Any, index: int, grid: tuple, args: Sequence, 
     _PLANS[key + (rows_aligned, -(2**31) <= int(args[19]) < 2**31)] = (ck, index, grid, ints, consts, outs)
 
 
+def _launch_args(plan: tuple, block_offsets: torch.Tensor, vectors: tuple[torch.Tensor, ...],
+                 out: PagedLatentPrep, max_ctx: int) -> tuple:
+    """The compiled launcher's arguments after the stream, in the kernel's signature order."""
+    ck, _, _, ints, consts, _ = plan
+    sid, ctx, base, n = vectors
+    o = out
+    # ints: M, rows_q, pool_off, s_ob, s_om, divisor, max_ctx (replaced), block_size, max_new
+    return (
+        ck.function, ck.packed_metadata, None, None, None,
+        block_offsets.data_ptr(), sid.data_ptr(), ctx.data_ptr(), base.data_ptr(), n.data_ptr(),
+        o.read_rows.data_ptr(), o.read_lens.data_ptr(), o.query_pos.data_ptr(), o.store_pages.data_ptr(),
+        o.store_offsets.data_ptr(), o.new_ctx_len.data_ptr(), o.shift.data_ptr(), o.extents.data_ptr(),
+        ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], max_ctx, ints[7], ints[8], *consts,
+    )
+
+
+def _plan_for(key: tuple, out: PagedLatentPrep, max_ctx: int) -> Optional[tuple]:
+    return _PLANS.get(key + ((out.read_rows.data_ptr() & 15) == 0, max_ctx < 2**31))
+
+
 def launch_planned(
     key: tuple, block_offsets: torch.Tensor, vectors: tuple[torch.Tensor, ...], out: PagedLatentPrep, max_ctx: Any
 ) -> bool:
     """Launch a one-pass call whose signature was checked before; ``False`` if it was not (then nothing ran)."""
     if type(max_ctx) is not int or max_ctx < 0 or _fl._hooked():
         return False
-    rows = out.read_rows.data_ptr()
-    plan = _PLANS.get(key + ((rows & 15) == 0, max_ctx < 2**31))
+    plan = _plan_for(key, out, max_ctx)
     if plan is None:
         return False
-    ck, index, grid, ints, consts, outs = plan
+    ck, index, grid, _, _, outs = plan
     o = out
     if (
         outs[0]() is not o.read_rows or outs[1]() is not o.read_lens or outs[2]() is not o.query_pos
@@ -101,15 +121,7 @@ def launch_planned(
         or outs[6]() is not o.shift or outs[7]() is not o.extents or torch.cuda.current_device() != index
     ):
         return False
-    sid, ctx, base, n = vectors
-    # ints: M, rows_q, pool_off, s_ob, s_om, divisor, max_ctx, block_size, max_new
-    ck.run(
-        grid[0], grid[1], 1, _fl._raw_stream(index), ck.function, ck.packed_metadata, None, None, None,
-        block_offsets.data_ptr(), sid.data_ptr(), ctx.data_ptr(), base.data_ptr(), n.data_ptr(),
-        rows, out.read_lens.data_ptr(), out.query_pos.data_ptr(), out.store_pages.data_ptr(),
-        out.store_offsets.data_ptr(), out.new_ctx_len.data_ptr(), out.shift.data_ptr(), out.extents.data_ptr(),
-        ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], max_ctx, ints[7], ints[8], *consts,
-    )
+    ck.run(grid[0], grid[1], 1, _fl._raw_stream(index), *_launch_args(plan, block_offsets, vectors, out, max_ctx))
     return True
 
 
@@ -122,17 +134,8 @@ def bound_launch(
     buffers): ``run(grid[0], grid[1], 1, stream, *args)`` is then the whole
     launch. ``None`` when no plan matches (nothing was launched through one yet).
     """
-    plan = _PLANS.get(key + ((out.read_rows.data_ptr() & 15) == 0, max_ctx < 2**31))
+    plan = _plan_for(key, out, max_ctx)
     if plan is None:
         return None
-    ck, index, grid, ints, consts, _ = plan
-    sid, ctx, base, n = vectors
-    o = out
-    args = (
-        ck.function, ck.packed_metadata, None, None, None,
-        block_offsets.data_ptr(), sid.data_ptr(), ctx.data_ptr(), base.data_ptr(), n.data_ptr(),
-        o.read_rows.data_ptr(), o.read_lens.data_ptr(), o.query_pos.data_ptr(), o.store_pages.data_ptr(),
-        o.store_offsets.data_ptr(), o.new_ctx_len.data_ptr(), o.shift.data_ptr(), o.extents.data_ptr(),
-        ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], max_ctx, ints[7], ints[8], *consts,
-    )
-    return ck.run, grid, index, args
+    ck, index, grid = plan[:3]
+    return ck.run, grid, index, _launch_args(plan, block_offsets, vectors, out, max_ctx)

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from . import _launch as _fl
-from . import _one_pass_plans as _plans
+from . import _one_pass_call
 from . import spec_tail_kernels as _api
 from .reference import PagedLatentPrep
 
@@ -95,14 +95,9 @@ class BoundPreparation:
         kw = self._kw
         got = _api.prepare_paged_latent(None, None, *self.vectors, block_offsets=self.block_offsets, out=self.out,
                                         **kw)
-        if self.block_offsets.is_cuda and kw["impl"] != "reference" and _fl.ENABLED:
-            key = _plans.plan_key(
-                self.block_offsets, self.vectors, self.out, None, None, kw["pool_idx"], kw["divisor"],
-                kw["backend"], kw["block_size"], kw["tokens_per_block"], kw["max_new"], kw.get("block"),
-                kw.get("num_warps"), (kw.get("split"), kw.get("source_tiles")),
-            )
-            if key is not None and type(kw["max_ctx"]) is int:
-                self._bound = _plans.bound_launch(key, self.block_offsets, self.vectors, self.out, kw["max_ctx"])
+        if kw["impl"] != "reference" and kw.get("fast_launch", True):
+            args = {k: v for k, v in kw.items() if k not in ("impl", "fast_launch")}
+            self._bound = _one_pass_call.bound_launch(self.block_offsets, self.vectors, self.out, **args)
         return got
 
 

@@ -22,9 +22,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..request import LlmRequest
-from ..runtime import BAD_PAGE_INDEX
 from .diagnostics import KVCacheResizeError
-from .prefix_reuse import PrefixLookup, lookup
+from .prefix_reuse import adoption_rows, lookup
 
 if TYPE_CHECKING:
     from .kv_cache_manager import KVCacheManagerV2
@@ -110,24 +109,16 @@ def _check_reuse_arguments(self: KVCacheManagerV2, req: LlmRequest, tokens: int)
         raise ValueError(f"{self.error_label}: request {rid} carries {len(req.tokens)} token ids, fewer than its hit {tokens}")
 
 
-def _rows(self: KVCacheManagerV2, req: LlmRequest, tokens: int, found: PrefixLookup) -> list[list[int]]:
-    """Per group, ordinal -> published page for `[0, n)`, BAD_PAGE_INDEX where stale at history `m`."""
-    P, n = self.tokens_per_block, tokens // self.tokens_per_block
-    rows = []
-    for g, group in enumerate(self.layer_groups):
-        lo, hi = group.life_cycle.stale_range(req.prompt_len, P)
-        have = found.pages[g]
-        row = [BAD_PAGE_INDEX if lo <= i < hi else (have[i] if i < len(have) else None) for i in range(n)]
-        missing = [i for i, page in enumerate(row) if page is None]
-        if missing:
-            raise _gen_init_error(
-                self, req, tokens,
-                f"layer group {g} of this pool has no published page for block ordinals {missing[:8]}"
-                f"{' ...' if len(missing) > 8 else ''} ({len(missing)} missing; find the hit with find_gen_init_hit "
-                "just before, with nothing allocated in between)",
-            )
-        rows.append(row)
-    return rows
+def _missing_error(self: KVCacheManagerV2, req: LlmRequest, tokens: int):
+    def error(group: int, missing: list[int]) -> KVCacheResizeError:
+        return _gen_init_error(
+            self, req, tokens,
+            f"layer group {group} of this pool has no published page for block ordinals {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''} ({len(missing)} missing; find the hit with find_gen_init_hit "
+            "just before, with nothing allocated in between)",
+        )
+
+    return error
 
 
 def prepare_disagg_gen_init(self: KVCacheManagerV2, req: LlmRequest, *, reused_tokens: int = 0) -> None:
@@ -147,7 +138,7 @@ def prepare_disagg_gen_init(self: KVCacheManagerV2, req: LlmRequest, *, reused_t
         return
     _check_reuse_arguments(self, req, reused_tokens)
     found = lookup(self, req, reused_tokens // self.tokens_per_block)
-    rows = _rows(self, req, reused_tokens, found)
+    rows = adoption_rows(self, reused_tokens, found, req.prompt_len, _missing_error(self, req, reused_tokens))
     with self._batch_transaction([req.py_request_id]):
         cache = self._new_cache(req.py_request_id)
         self._caches[req.py_request_id] = cache
@@ -175,11 +166,8 @@ def publish_gen_init(self: KVCacheManagerV2, req: LlmRequest, *, written_from: i
     first = [
         -(-max(receive_start(group.life_cycle.window, m, hit), written_from) // P) for group in self.layer_groups
     ]
-    before = [pool.prefix.num_published for pool in _distinct_pools(self)]
+    pools = self.distinct_pools()
+    before = sum(pool.prefix.num_published for pool in pools)
     cache.commit(m, req.tokens, first_ordinals=first)
-    return sum(pool.prefix.num_published for pool in _distinct_pools(self)) - sum(before)
-
-
-def _distinct_pools(self: KVCacheManagerV2) -> list:
-    return list({id(p): p for p in self.pools()}.values())
+    return sum(pool.prefix.num_published for pool in pools) - before
 

@@ -135,6 +135,10 @@ class KVCacheManagerV2:
     def pools(self) -> list[PagePool]:
         return [g.pool for g in self.layer_groups]
 
+    def distinct_pools(self) -> list[PagePool]:
+        """Each pool once (layer groups may share one), in group order."""
+        return list({id(p): p for p in self.pools()}.values())
+
     def free_pages(self) -> tuple[int, ...]:
         return tuple(g.pool.num_free for g in self.layer_groups)
 
@@ -220,7 +224,7 @@ class KVCacheManagerV2:
             else:
                 cache.begin_journal()  # O(changes) undo, not a copy of every row
                 existing.append(cache)
-        pools = list({id(p): p for p in self.pools()}.values())
+        pools = self.distinct_pools()
         for pool in pools:
             pool.begin_journal()
         try:

@@ -7,7 +7,7 @@ methods (hence `self`), kept here; docs/block_reuse.md tells the whole story.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..request import LlmRequest
 from .rules import drafter_window_hit_cap
@@ -81,19 +81,37 @@ def _find(self: KVCacheManagerV2, req: LlmRequest) -> tuple[int, list[PrefixLook
     return longest_valid_prefix(windows, present, cap, self.tokens_per_block) * self.tokens_per_block, found
 
 
-def adopt(manager: KVCacheManagerV2, req: LlmRequest, tokens: int, found: PrefixLookup) -> None:
-    """Create `req`'s cache at `tokens` of history on the published pages of `found` (see `KVCache.adopt_prefix`)."""
+def adoption_rows(
+    manager: KVCacheManagerV2,
+    tokens: int,
+    found: PrefixLookup,
+    stale_at: int,
+    missing_error: Callable[[int, list[int]], Exception],
+) -> list[list[int]]:
+    """Per group, block ordinal -> published page for `[0, tokens // P)`; `BAD_PAGE_INDEX` where the
+    group's window no longer reads the ordinal at history `stale_at` (absolute tokens).
+
+    Raises `missing_error(group, ordinals)` for the first group lacking a page it reads.
+    """
     p = manager.tokens_per_block
     n = tokens // p
     rows = []
     for g, group in enumerate(manager.layer_groups):
-        lo, hi = group.life_cycle.stale_range(tokens, p)
+        lo, hi = group.life_cycle.stale_range(stale_at, p)
         have = found.pages[g]
         row = [BAD_PAGE_INDEX if lo <= i < hi else (have[i] if i < len(have) else None) for i in range(n)]
         missing = [i for i, page in enumerate(row) if page is None]
         if missing:
-            raise manager._prefix_error(req, tokens, g, missing)
+            raise missing_error(g, missing)
         rows.append(row)
+    return rows
+
+
+def adopt(manager: KVCacheManagerV2, req: LlmRequest, tokens: int, found: PrefixLookup) -> None:
+    """Create `req`'s cache at `tokens` of history on the published pages of `found` (see `KVCache.adopt_prefix`)."""
+    rows = adoption_rows(
+        manager, tokens, found, tokens, lambda g, missing: manager._prefix_error(req, tokens, g, missing)
+    )
     cache = manager._new_cache(req.py_request_id)
     cache.adopt_prefix(tokens, rows, found.keys)
     manager._caches[req.py_request_id] = cache

@@ -76,40 +76,25 @@ def prompt_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def drafter_mode(text: str):
-    from .scenario import ScenarioError, parse_drafter
+def _scenario_type(parser_name: str):
+    """An argparse ``type=`` running ``scenario.<parser_name>``; its ScenarioError becomes a usage error."""
 
-    try:
-        return parse_drafter(text)
-    except ScenarioError as err:
-        raise argparse.ArgumentTypeError(err.message) from None
+    def convert(text: str):
+        from . import scenario
 
+        try:
+            return getattr(scenario, parser_name)(text)
+        except scenario.ScenarioError as err:
+            raise argparse.ArgumentTypeError(err.message) from None
 
-def handoff_mode(text: str):
-    from .scenario import ScenarioError, parse_handoff
-
-    try:
-        return parse_handoff(text)
-    except ScenarioError as err:
-        raise argparse.ArgumentTypeError(err.message) from None
+    convert.__name__ = parser_name
+    return convert
 
 
-def handoff_form(text: str):
-    from .scenario import ScenarioError, parse_handoff_form
-
-    try:
-        return parse_handoff_form(text)
-    except ScenarioError as err:
-        raise argparse.ArgumentTypeError(err.message) from None
-
-
-def block_reuse_mode(text: str) -> str:
-    from .scenario import ScenarioError, parse_block_reuse
-
-    try:
-        return parse_block_reuse(text)
-    except ScenarioError as err:
-        raise argparse.ArgumentTypeError(err.message) from None
+drafter_mode = _scenario_type("parse_drafter")
+handoff_mode = _scenario_type("parse_handoff")
+handoff_form = _scenario_type("parse_handoff_form")
+block_reuse_mode = _scenario_type("parse_block_reuse")
 
 
 def _fail(prog: str, message: str) -> NoReturn:

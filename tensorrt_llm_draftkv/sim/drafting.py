@@ -325,19 +325,8 @@ class DFlashSpeculator:
     # -- disaggregated handoff ---------------------------------------------------------
     def handoff_geometry(self, form: HandoffForm | str = HandoffForm.KV) -> DrafterContextGeometry:
         """This drafter's context geometry: what it sends (context worker) or accepts (generation worker)."""
-        dm = self.draft_manager
-        cfg = dm.config
-        return DrafterContextGeometry(
-            tokens_per_block=cfg.tokens_per_block,
-            windows=tuple(g.window for g in cfg.layer_groups),
-            layers=tuple(g.num_layers for g in cfg.layer_groups),
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            dtype=cfg.dtype,
-            trail_tokens=dm.draft_slot_trail_tokens,
-            form=form,
-            hidden_size=self.features.feature_dim,
-            hidden_dtype=self.features.E.dtype,
+        return DrafterContextGeometry.of_pool(
+            self.draft_manager, form, hidden_size=self.features.feature_dim, hidden_dtype=self.features.E.dtype
         )
 
     def export_context(

@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..config import SpeculativeDecodingMode
+from ..config import ParsableEnum, SpeculativeDecodingMode
 from ..speculative.handoff import DrafterHandoff, HandoffForm
 
 MODES = ("aggregated", "disaggregated")
@@ -69,22 +69,22 @@ def parse_drafter(value: Any, name: str = "drafter") -> SpeculativeDecodingMode:
     return mode
 
 
+def _parse_choice(enum: type[ParsableEnum], value: Any, name: str) -> Any:
+    try:
+        return enum.parse(value)
+    except (TypeError, ValueError):
+        known = " or ".join(m.value for m in enum)
+        raise ScenarioError(name, f"must be {known}, got {value!r}") from None
+
+
 def parse_handoff(value: Any, name: str = "drafter_handoff") -> DrafterHandoff:
     """`window` or `none`: what a disaggregated context worker sends for the drafter."""
-    try:
-        return DrafterHandoff.parse(value)
-    except (TypeError, ValueError):
-        known = " or ".join(m.value for m in DrafterHandoff)
-        raise ScenarioError(name, f"must be {known}, got {value!r}") from None
+    return _parse_choice(DrafterHandoff, value, name)
 
 
 def parse_handoff_form(value: Any, name: str = "handoff_form") -> HandoffForm:
     """`kv` (the drafter's stored K/V) or `hidden` (the hidden states it projects)."""
-    try:
-        return HandoffForm.parse(value)
-    except (TypeError, ValueError):
-        known = " or ".join(m.value for m in HandoffForm)
-        raise ScenarioError(name, f"must be {known}, got {value!r}") from None
+    return _parse_choice(HandoffForm, value, name)
 
 
 def parse_block_reuse(value: Any, name: str = "block_reuse") -> str:

@@ -42,7 +42,7 @@ live in :mod:`.handoff_seed` and are re-exported here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -159,6 +159,29 @@ class DrafterContextGeometry:
             raise ValueError(f"trail_tokens ({self.trail_tokens}) and hidden_size ({self.hidden_size}) must be >= 0")
         if self.form is HandoffForm.HIDDEN and self.hidden_size == 0:
             raise ValueError("form 'hidden' needs hidden_size (values per position of the drafter's input)")
+
+    @classmethod
+    def of_pool(
+        cls,
+        draft_manager: Any,
+        form: HandoffForm | str = HandoffForm.KV,
+        hidden_size: int = 0,
+        hidden_dtype: torch.dtype | None = None,
+    ) -> "DrafterContextGeometry":
+        """The geometry of a draft manager's pool (its config's groups, heads, dtype and its trail tokens)."""
+        cfg = draft_manager.config
+        return cls(
+            tokens_per_block=cfg.tokens_per_block,
+            windows=tuple(g.window for g in cfg.layer_groups),
+            layers=tuple(g.num_layers for g in cfg.layer_groups),
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=cfg.dtype,
+            trail_tokens=draft_manager.draft_slot_trail_tokens,
+            form=form,
+            hidden_size=hidden_size,
+            hidden_dtype=hidden_dtype,
+        )
 
     # ------------------------------------------------------------------ ranges
     @property

@@ -25,18 +25,7 @@ from support import ceil_div, truth
 
 
 def geometry_of(loop: DraftLoop, form: HandoffForm = HandoffForm.KV, hidden_size: int = 0) -> DrafterContextGeometry:
-    cfg = loop.dm.config
-    return DrafterContextGeometry(
-        tokens_per_block=cfg.tokens_per_block,
-        windows=tuple(g.window for g in cfg.layer_groups),
-        layers=tuple(g.num_layers for g in cfg.layer_groups),
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        dtype=cfg.dtype,
-        trail_tokens=loop.dm.draft_slot_trail_tokens,
-        form=form,
-        hidden_size=hidden_size,
-    )
+    return DrafterContextGeometry.of_pool(loop.dm, form, hidden_size=hidden_size)
 
 
 def gen_init(loop: DraftLoop, rid: int, m: int) -> LlmRequest:
