@@ -200,6 +200,18 @@ def png_text(path: Path) -> dict[str, str]:
     return out
 
 
+def test_write_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
+    from tensorrt_llm_draftkv.sim.simulate import write_plot
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # hidden whether or not it is installed
+    png = tmp_path / "occupancy.png"
+    with pytest.raises(SystemExit, match=r"--plot needs matplotlib \(pip install -e '\.\[plot\]'\)"):
+        write_plot([], str(png))
+    assert not png.exists()
+
+
 @pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed (pip install -e '.[plot]')")
 def test_the_plot_has_one_panel_per_row_of_the_table(tmp_path, reference_kernels):
     from tensorrt_llm_draftkv.sim.simulate import format_table, simulate, write_plot

@@ -45,7 +45,7 @@ def _die_silently(rank: int):
     """Rank 1 vanishes without reporting (as if killed); rank 0 just waits on its peer."""
     if rank == 1:
         os._exit(3)
-    time.sleep(300)
+    time.sleep(3600)  # far past the guard below: only a run that stops waiting on it can pass
 
 
 def test_a_rank_that_dies_without_reporting_is_an_error_not_a_hang():
@@ -57,15 +57,13 @@ def test_a_rank_that_dies_without_reporting_is_an_error_not_a_hang():
         except BaseException as err:  # noqa: BLE001 - recorded for the assertion
             outcome["error"] = err
 
-    started = time.monotonic()
     thread = threading.Thread(target=call, daemon=True)
     thread.start()
-    thread.join(timeout=90)
+    thread.join(timeout=240)  # a hang guard: rank 0 sleeps an hour, so only giving up on it passes
     assert not thread.is_alive(), "run_disaggregated still waits for a rank that is gone"
     err = outcome.get("error")
     assert isinstance(err, RuntimeError), err
     assert "exited without reporting" in str(err) and "1" in str(err)
-    assert time.monotonic() - started < 90
 
 
 def test_kept_ranks_run_several_disaggregated_runs_with_the_same_processes():
