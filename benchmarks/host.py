@@ -62,10 +62,10 @@ def _managers(kind: str, batch: int, prompt: int, max_seq: int | None = None):
             W, P, max_seq_len=max_seq, chunk=CHUNK, max_draft_len=DRAFTS, num_extra_kv_tokens=EXTRA, trail_tokens=P
         )
         cfg = _config(W, batch, max_seq, pages)
-        return DraftKVCacheManagerV2(cfg, spec_mode="dflash", max_draft_len=DRAFTS, num_extra_kv_tokens=EXTRA)
+        return DraftKVCacheManagerV2.from_pool_config(cfg, spec_mode="dflash", max_draft_len=DRAFTS, num_extra_kv_tokens=EXTRA)
     window = W if kind == "target-windowed" else None
     pages = group_pages_per_request(window, P, max_seq_len=max_seq, chunk=CHUNK, max_draft_len=DRAFTS)
-    return KVCacheManagerV2(_config(window, batch, max_seq, pages), max_draft_len=DRAFTS)
+    return KVCacheManagerV2.from_pool_config(_config(window, batch, max_seq, pages), max_draft_len=DRAFTS)
 
 
 def _generation_requests(mgr, batch: int, prompt: int) -> list[LlmRequest]:

@@ -42,7 +42,7 @@ def _manager(reuse: bool, requests: int, prompt: int) -> KVCacheManagerV2:
         tokens_per_block=P, num_kv_heads=1, head_dim=1, dtype=torch.float16, max_seq_len=prompt + 64,
         enable_block_reuse=reuse,
     )
-    return KVCacheManagerV2(config)
+    return KVCacheManagerV2.from_pool_config(config)
 
 
 def _run(reuse: bool, requests: int, prefix: list[int], tail: int) -> dict[str, list[float]]:

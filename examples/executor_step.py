@@ -66,7 +66,7 @@ def pages_per_request(group: LayerGroupConfig, *, extra: int = 0, trail: int = 0
     )
 
 
-target = KVCacheManagerV2(
+target = KVCacheManagerV2.from_pool_config(
     KVPoolConfig(
         target_groups,
         pages_per_group=tuple(REQUESTS * pages_per_request(g) for g in target_groups),
@@ -77,7 +77,7 @@ target = KVCacheManagerV2(
 # The draft pool: DFlash keeps one trail page below its window (a seeded slot trails its request by < P
 # tokens) and needs room for the block above the accepted tokens (num_extra_kv_tokens = BLOCK).
 draft_charge = pages_per_request(draft_groups[0], extra=BLOCK, trail=P)
-draft = DraftKVCacheManagerV2(
+draft = DraftKVCacheManagerV2.from_pool_config(
     KVPoolConfig(
         draft_groups,
         pages_per_group=(REQUESTS * draft_charge,),

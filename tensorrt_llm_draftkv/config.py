@@ -31,38 +31,162 @@ class ParsableEnum(enum.Enum):
         return cls.__name__
 
 
-class SpeculativeDecodingMode(ParsableEnum):
-    """Which drafter runs beside the target (names as upstream)."""
+class SpeculativeDecodingMode(enum.IntEnum):
+    """Which drafter runs beside the target: upstream TensorRT-LLM's IntEnum, its members in its
+    order (so the integers match) and its predicates, plus `keeps_trail_page` and `parse`."""
 
-    MTP = "mtp"
-    EAGLE3_ONE_MODEL = "eagle3_one_model"
-    DRAFT_TARGET_TWO_MODEL = "draft_target_two_model"
-    DRAFT_TARGET_ONE_MODEL = "draft_target_one_model"
-    PARD = "pard"
-    DFLASH = "dflash"
-    DSPARK = "dspark"
+    MTP = enum.auto()
+    MTP_EAGLE = enum.auto()
+    MTP_EAGLE_ONE_MODEL = enum.auto()
+    EAGLE3 = enum.auto()
+    EAGLE3_ONE_MODEL = enum.auto()
+    NGRAM = enum.auto()
+    SA = enum.auto()
+    DRAFT_TARGET = enum.auto()
+    DRAFT_TARGET_ONE_MODEL = enum.auto()
+    USER_PROVIDED = enum.auto()
+    SAVE_HIDDEN_STATES = enum.auto()
+    PARD = enum.auto()
+    DFLASH = enum.auto()
+    DSPARK = enum.auto()
+    NONE = enum.auto()
+    AUTO = enum.auto()
+
+    # -- one member each ----------------------------------------------------------------------
+    def is_mtp_vanilla(self) -> bool:
+        return self is SpeculativeDecodingMode.MTP
+
+    def is_mtp_eagle(self) -> bool:
+        return self is SpeculativeDecodingMode.MTP_EAGLE
+
+    def is_mtp_eagle_one_model(self) -> bool:
+        return self is SpeculativeDecodingMode.MTP_EAGLE_ONE_MODEL
+
+    def is_eagle3(self) -> bool:
+        return self is SpeculativeDecodingMode.EAGLE3
+
+    def is_eagle3_one_model(self) -> bool:
+        return self is SpeculativeDecodingMode.EAGLE3_ONE_MODEL
+
+    def is_ngram(self) -> bool:
+        return self is SpeculativeDecodingMode.NGRAM
+
+    def is_sa(self) -> bool:
+        return self is SpeculativeDecodingMode.SA
+
+    def is_draft_target(self) -> bool:
+        return self is SpeculativeDecodingMode.DRAFT_TARGET
+
+    def is_draft_target_one_model(self) -> bool:
+        return self is SpeculativeDecodingMode.DRAFT_TARGET_ONE_MODEL
+
+    def is_user_provided(self) -> bool:
+        return self is SpeculativeDecodingMode.USER_PROVIDED
+
+    def is_save_hidden_states(self) -> bool:
+        return self is SpeculativeDecodingMode.SAVE_HIDDEN_STATES
+
+    def is_pard(self) -> bool:
+        return self is SpeculativeDecodingMode.PARD
+
+    def is_dflash(self) -> bool:
+        return self is SpeculativeDecodingMode.DFLASH
+
+    def is_dspark(self) -> bool:
+        return self is SpeculativeDecodingMode.DSPARK
+
+    def is_none(self) -> bool:
+        return self is SpeculativeDecodingMode.NONE
+
+    # -- families -----------------------------------------------------------------------------
+    def is_mtp_one_model(self) -> bool:
+        """Vanilla MTP or MTP-Eagle one-model (both run inside the target's engine)."""
+        return self in (SpeculativeDecodingMode.MTP, SpeculativeDecodingMode.MTP_EAGLE_ONE_MODEL)
+
+    def is_parallel_draft(self) -> bool:
+        """Drafters that propose a whole block in one pass: PARD, DFlash, DSpark."""
+        return self.is_pard() or self.is_dflash() or self.is_dspark()
 
     def is_external_drafter(self) -> bool:
-        """A separate draft network run inside the target's engine, with its own mirror."""
-        return self in _EXTERNAL_DRAFTERS
+        """A separate draft network run inside the target's engine, with its own mirror:
+        PARD, DFlash, DSpark and draft-target one-model."""
+        return self.is_parallel_draft() or self.is_draft_target_one_model()
 
+    def use_one_engine(self) -> bool:
+        """The drafter runs in the target's engine (nothing else advances the draft view)."""
+        return self.is_eagle3_one_model() or self.is_mtp_one_model() or self.is_external_drafter() or self.is_sa()
+
+    def has_draft_model(self) -> bool:
+        return self.is_eagle3() or self.is_draft_target() or self.is_mtp_eagle()
+
+    def has_spec_decoder(self) -> bool:
+        return (self.is_mtp_one_model() or self.is_mtp_eagle() or self.is_eagle3() or self.is_eagle3_one_model()
+                or self.is_external_drafter() or self.is_sa())
+
+    def has_spec_drafter(self) -> bool:
+        return self.is_eagle3() or self.is_draft_target() or self.is_ngram() or self.is_user_provided() or self.is_mtp_eagle()
+
+    def without_logits(self) -> bool:
+        return self.is_mtp_one_model() or self.is_eagle3_one_model() or self.is_external_drafter() or self.is_sa()
+
+    def needs_kv_cache_rewind(self) -> bool:
+        return (self.is_mtp_one_model() or self.is_eagle3_one_model() or self.is_ngram() or self.is_sa()
+                or self.is_external_drafter())
+
+    def needs_kv_cache_recompute(self) -> bool:
+        """The drafter's first forward recomputes K/V for the accepted tokens (Eagle3, MTP-Eagle)."""
+        return self.is_eagle3() or self.is_mtp_eagle()
+
+    def need_load_draft_weights(self) -> bool:
+        return self.is_eagle3_one_model() or self.is_external_drafter()
+
+    def support_overlap_scheduler(self) -> bool:
+        return (self.is_mtp_one_model() or self.is_eagle3_one_model() or self.is_sa() or self.has_draft_model()
+                or self.is_external_drafter())
+
+    def support_guided_decoder(self) -> bool:
+        return self.is_none() or self.has_spec_drafter()
+
+    def support_capturable_guided_decoder(self) -> bool:
+        return self.is_mtp_one_model() or self.is_eagle3_one_model() or self.is_external_drafter() or self.is_sa()
+
+    def support_dynamic_draft_len(self) -> bool:
+        return (self.is_mtp_one_model() or self.is_eagle3_one_model() or self.is_mtp_eagle_one_model()
+                or self.is_pard() or self.is_dflash() or self.is_draft_target_one_model() or self.is_sa())
+
+    # -- ours -----------------------------------------------------------------------------------
     def keeps_trail_page(self) -> bool:
         """DFlash-style drafters seed slots on a page boundary and so trail by < P tokens."""
         return self in (SpeculativeDecodingMode.DFLASH, SpeculativeDecodingMode.DSPARK)
 
+    @property
+    def label(self) -> str:
+        """The lower-case name ("dflash"), as command lines, scenario files and reports spell it."""
+        return self.name.lower()
+
+    @staticmethod
+    def from_string(name: str | None) -> "SpeculativeDecodingMode":
+        """Upstream's lookup: None is NONE, else the member of that name (any case); KeyError otherwise."""
+        if name is None:
+            return SpeculativeDecodingMode.NONE
+        return SpeculativeDecodingMode[name.upper()]
+
     @classmethod
-    def _kind(cls) -> str:
-        return "speculative decoding mode"
+    def parse(cls, text: "SpeculativeDecodingMode | str") -> "SpeculativeDecodingMode":
+        """A member from itself or its name (any case, '-' for '_'); ValueError listing the names otherwise.
 
-
-_EXTERNAL_DRAFTERS = frozenset(
-    {
-        SpeculativeDecodingMode.PARD,
-        SpeculativeDecodingMode.DFLASH,
-        SpeculativeDecodingMode.DSPARK,
-        SpeculativeDecodingMode.DRAFT_TARGET_ONE_MODEL,
-    }
-)
+        Unlike `from_string`, a bad name is a ValueError that lists every member (for command
+        lines and config files), and an integer is refused (a mode is named, not numbered).
+        """
+        if isinstance(text, cls):
+            return text
+        if not isinstance(text, str):
+            raise TypeError(f"a speculative decoding mode is a SpeculativeDecodingMode or a string, got {type(text).__name__}")
+        key = text.strip().upper().replace("-", "_")
+        if key in cls.__members__:
+            return cls[key]
+        known = ", ".join(m.label for m in cls)
+        raise ValueError(f"unknown speculative decoding mode {text!r}; known: {known}")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ def make_mgr(pages=(32, 32), p=4):
         tokens_per_block=p,
         max_seq_len=128,
     )
-    return KVCacheManagerV2(config, max_draft_len=2)
+    return KVCacheManagerV2.from_pool_config(config, max_draft_len=2)
 
 
 def live_mgr():

@@ -305,7 +305,7 @@ def _why(
     )
     if start > 0 and no_history:
         capacity = rules.context_capacity(start, first, start + first >= prompt_len, max_draft_len, num_extra_kv_tokens)
-        who = "a target cache" if policy is None else f"a {policy.mode.value} mirror"
+        who = "a target cache" if policy is None else f"a {policy.mode.label} mirror"
         rules_used = "" if policy is None else f" under the {policy.sizing.value} rules"
         return (
             f"{who} first seen past position 0 keeps the old sizing{rules_used} (no history), "

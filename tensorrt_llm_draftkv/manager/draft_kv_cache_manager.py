@@ -28,8 +28,9 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
     error_label = "Draft KV cache"
     missing_label = "draft KV cache"
 
-    def __init__(
-        self,
+    @classmethod
+    def from_pool_config(
+        cls,
         config: KVPoolConfig,
         *,
         spec_mode: SpeculativeDecodingMode | str,
@@ -39,7 +40,32 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
         sizing: str | rules.MirrorSizing = rules.MirrorSizing.HISTORY,
         trail_page: bool = True,
         is_draft: bool = True,
+    ) -> "DraftKVCacheManagerV2":
+        """A draft manager over pools of exactly this geometry (the simulator's and the tests' way in).
+
+        `sizing`: the `history` rules (the fix, default) or `legacy` (pre-fix, to reproduce
+        the failures); `trail_page=False` drops the DFlash/DSpark trail page.
+        """
+        manager = object.__new__(cls)
+        manager._init_draft(
+            config, spec_mode=spec_mode, max_draft_len=max_draft_len, num_extra_kv_tokens=num_extra_kv_tokens,
+            joint_kv_cache_reuse=joint_kv_cache_reuse, sizing=sizing, trail_page=trail_page, is_draft=is_draft,
+        )
+        return manager
+
+    def _init_draft(
+        self,
+        config: KVPoolConfig,
+        *,
+        spec_mode: SpeculativeDecodingMode | str,
+        max_draft_len: int,
+        num_extra_kv_tokens: int,
+        joint_kv_cache_reuse: bool,
+        sizing: str | rules.MirrorSizing,
+        trail_page: bool,
+        is_draft: bool,
     ) -> None:
+        """The mirror policy and the trail page, then the pools (every draft constructor ends here)."""
         self.is_draft = is_draft
         self.spec_mode = SpeculativeDecodingMode.parse(spec_mode)  # a mode or its name ("dflash")
         self.policy = rules.MirrorPolicy(self.spec_mode, rules.MirrorSizing.parse(sizing), joint_kv_cache_reuse)
@@ -49,7 +75,7 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
             any_windowed_group=any(g.window is not None for g in config.layer_groups),
             trail_page=trail_page and is_draft,
         )
-        super().__init__(
+        self._init_pools(
             config,
             max_draft_len=max_draft_len,
             num_extra_kv_tokens=num_extra_kv_tokens,

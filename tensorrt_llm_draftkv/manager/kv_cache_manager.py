@@ -22,17 +22,39 @@ class KVCacheManagerV2:
     error_label = "KV cache"
     missing_label = "KV cache"  # "Missing <label> for generation request N"
 
-    def __init__(
-        self,
+    @classmethod
+    def from_pool_config(
+        cls,
         config: KVPoolConfig,
         *,
         max_draft_len: int = 0,
         num_extra_kv_tokens: int = 0,
         mirror_policy: rules.MirrorPolicy | None = None,
         trail_tokens: int = 0,
+    ) -> "KVCacheManagerV2":
+        """A manager over pools of exactly this geometry (the simulator's and the tests' way in).
+
+        `mirror_policy`: size every cache as a draft mirror under these rules (None: a
+        target cache); `trail_tokens`: tokens every window keeps below itself (the trail
+        page). An executor written for TensorRT-LLM calls the constructor instead.
+        """
+        manager = object.__new__(cls)
+        KVCacheManagerV2._init_pools(
+            manager, config, max_draft_len=max_draft_len, num_extra_kv_tokens=num_extra_kv_tokens,
+            mirror_policy=mirror_policy, trail_tokens=trail_tokens,
+        )
+        return manager
+
+    def _init_pools(
+        self,
+        config: KVPoolConfig,
+        *,
+        max_draft_len: int,
+        num_extra_kv_tokens: int,
+        mirror_policy: rules.MirrorPolicy | None,
+        trail_tokens: int,
     ) -> None:
-        """`mirror_policy`: size every cache as a draft mirror under these rules (None: a target
-        cache); `trail_tokens`: tokens every window keeps below itself (the trail page)."""
+        """Build the pools of `config` and the empty request table (every constructor ends here)."""
         if max_draft_len < 0 or num_extra_kv_tokens < 0:
             raise ValueError(
                 f"max_draft_len ({max_draft_len}) and num_extra_kv_tokens ({num_extra_kv_tokens}) must be >= 0"

@@ -296,7 +296,7 @@ def _inputs(args: argparse.Namespace) -> dict:
     for key, value in vars(args).items():
         if key.startswith("_") or key == "command":
             continue
-        out[key] = value.value if isinstance(value, SpeculativeDecodingMode) else value
+        out[key] = value.label if isinstance(value, SpeculativeDecodingMode) else value
     return out
 
 
@@ -313,7 +313,7 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     budget_kw, budget = _draft_budget(args)
     report = plan_pool(
-        f"draft ({mode.value})", geometry, **budget_kw, **common,
+        f"draft ({mode.label})", geometry, **budget_kw, **common,
         num_extra_kv_tokens=args.num_extra_kv_tokens,
         trail_tokens=trail_tokens_for(mode, geometry, is_draft_pool=True),
     )

@@ -162,7 +162,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         help="print the scenario these options make, as a --config file, and exit without running it",
     )
     g = p.add_argument_group("geometry (default: the scenario's; a flag also wins over the runs' own values)")
-    g.add_argument("--drafter", type=drafter_mode, metavar="{dflash,dspark}", help=f"drafter to model (default {d.drafter.value})")
+    g.add_argument("--drafter", type=drafter_mode, metavar="{dflash,dspark}", help=f"drafter to model (default {d.drafter.label})")
     numbers = (  # flag, type, metavar, what, the field's default
         ("--tokens-per-block", positive_int, "P", "page size", d.tokens_per_block),
         ("--draft-window", window_tokens, "W", "draft attention window, 0 = full attention", d.draft_window or 0),

@@ -124,7 +124,7 @@ class DraftLoop:
             tokens_per_block=tokens_per_block, num_kv_heads=num_kv_heads, head_dim=head_dim, device=device,
             guard_page=guard_page, max_seq_len=max_seq_len,
         )
-        dm = DraftKVCacheManagerV2(
+        dm = DraftKVCacheManagerV2.from_pool_config(
             config,
             spec_mode=spec_mode,
             max_draft_len=block_size - 1,

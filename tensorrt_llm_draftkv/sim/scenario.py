@@ -64,7 +64,7 @@ def parse_drafter(value: Any, name: str = "drafter") -> SpeculativeDecodingMode:
     except (TypeError, ValueError):
         mode = None
     if mode not in SIM_DRAFTERS:
-        known = " or ".join(m.value for m in SIM_DRAFTERS)
+        known = " or ".join(m.label for m in SIM_DRAFTERS)
         raise ScenarioError(name, f"the simulator models {known}, got {value!r}")
     return mode
 
@@ -203,7 +203,7 @@ class SimSetup:
     def to_dict(self) -> dict[str, Any]:
         """The config-file form: every field, the drafter by name, full attention as null."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["drafter"] = self.drafter.value
+        out["drafter"] = self.drafter.label
         out["drafter_handoff"] = self.drafter_handoff.value
         out["handoff_form"] = self.handoff_form.value
         return out

@@ -107,7 +107,7 @@ class RunResult:
         out.pop("draft_pool_occupancy")
         out.pop("plot_trace")
         out["max_concurrency"] = concurrency
-        out["drafter"] = setup.drafter.value if setup else None
+        out["drafter"] = setup.drafter.label if setup else None
         out["trail_page"] = setup.trail_page if setup else None
         out["device"] = setup.device if setup else None
         out["setup"] = setup.to_dict() if setup else None
@@ -175,7 +175,7 @@ def build_executor(
         max_seq_len=setup.max_seq_len,
         enable_block_reuse=reuse,
     )
-    target = KVCacheManagerV2(target_cfg, max_draft_len=setup.max_draft_len)
+    target = KVCacheManagerV2.from_pool_config(target_cfg, max_draft_len=setup.max_draft_len)
     model = TinyTarget(TinyTargetConfig(vocab_size=setup.vocab_size, dim=setup.target_dim), target)
     scheduler = Scheduler(
         SchedulerConfig(
@@ -202,7 +202,7 @@ def build_executor(
             max_seq_len=setup.max_seq_len,
             enable_block_reuse=joint,
         )
-        draft = DraftKVCacheManagerV2(
+        draft = DraftKVCacheManagerV2.from_pool_config(
             draft_cfg,
             spec_mode=setup.drafter,
             max_draft_len=setup.max_draft_len,

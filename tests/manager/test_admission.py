@@ -61,7 +61,7 @@ def manager(
         head_dim=1,
         max_seq_len=max_seq_len,
     )
-    return DraftKVCacheManagerV2(
+    return DraftKVCacheManagerV2.from_pool_config(
         config, spec_mode=mode, max_draft_len=d, num_extra_kv_tokens=e, joint_kv_cache_reuse=joint, sizing=sizing
     )
 
@@ -161,7 +161,7 @@ def test_an_old_sizing_mirror_first_seen_past_zero_is_refused_with_the_numbers(m
     # capacity 144 + 32 + 1 = 177 tokens, all backed: 12 pages.
     assert (err.request_id, err.needed_pages, err.charged_pages) == (12, 12, 7)
     msg = str(err)
-    for part in ("request 12", "12 pages", "charges 7", "144", "chunks of 32", "[0, 177)", mode.value):
+    for part in ("request 12", "12 pages", "charges 7", "144", "chunks of 32", "[0, 177)", mode.label):
         assert part in msg, (part, msg)
     mgr = manager((64,), charge, mode=mode, **SMALL)
     with pytest.raises(KVCacheResizeError):
@@ -192,7 +192,7 @@ def test_a_full_attention_group_generating_up_to_max_seq_len_is_refused():
 
 def test_a_legacy_generation_init_mirror_is_refused_naming_the_legacy_rules():
     config = KVPoolConfig((LayerGroupConfig(1, window=64),), (0,), tokens_per_block=16, num_kv_heads=1, head_dim=1)
-    mgr = DraftKVCacheManagerV2(config, spec_mode=Mode.DFLASH, max_draft_len=3, sizing="legacy")
+    mgr = DraftKVCacheManagerV2.from_pool_config(config, spec_mode=Mode.DFLASH, max_draft_len=3, sizing="legacy")
     req = LlmRequest(5, prompt_len=1000, state=LlmRequestState.DISAGG_GENERATION_INIT)
     with pytest.raises(AdmissionRefused, match=r"request 5 refused.*generation-init.*legacy") as info:
         mgr.check_admission(req, chunk=64)

@@ -38,9 +38,9 @@ def _config(pages: tuple[int, int]) -> KVPoolConfig:
 def test_a_failing_request_puts_the_whole_batch_back(manager):
     cfg = _config((64, 40))
     if manager == "target":
-        mgr = KVCacheManagerV2(cfg, max_draft_len=3)
+        mgr = KVCacheManagerV2.from_pool_config(cfg, max_draft_len=3)
     else:
-        mgr = DraftKVCacheManagerV2(cfg, spec_mode=SpeculativeDecodingMode.DFLASH, max_draft_len=3)
+        mgr = DraftKVCacheManagerV2.from_pool_config(cfg, spec_mode=SpeculativeDecodingMode.DFLASH, max_draft_len=3)
     # Two requests mid-prefill whose next chunk raises history (releasing window pages) and grows.
     running = [LlmRequest(i, prompt_len=160) for i in (1, 2)]
     for req in running:
@@ -62,7 +62,7 @@ def test_a_failing_request_puts_the_whole_batch_back(manager):
 def test_restore_undoes_random_resize_sequences_in_reverse_order():
     rng = random.Random(7)
     for _ in range(60):
-        mgr = KVCacheManagerV2(_config((48, 48)))
+        mgr = KVCacheManagerV2.from_pool_config(_config((48, 48)))
         caches = []
         for rid in range(3):
             req = LlmRequest(rid, prompt_len=1)
@@ -83,7 +83,7 @@ def test_restore_undoes_random_resize_sequences_in_reverse_order():
 
 
 def test_take_refuses_held_or_foreign_pages():
-    mgr = KVCacheManagerV2(_config((8, 8)))
+    mgr = KVCacheManagerV2.from_pool_config(_config((8, 8)))
     pool = mgr.pools()[0]
     pool.allocate(2)
     with pytest.raises(ValueError, match="held"):

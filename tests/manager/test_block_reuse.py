@@ -68,7 +68,7 @@ def prefill(req: LlmRequest, *managers, chunk: int = 8) -> list[tuple[int, int]]
 def test_block_reuse_is_off_by_default_and_then_nothing_is_published_or_shared():
     cfg = config(reuse=False)
     assert KVPoolConfig(cfg.layer_groups, cfg.pages_per_group).enable_block_reuse is False
-    mgr = KVCacheManagerV2(cfg)
+    mgr = KVCacheManagerV2.from_pool_config(cfg)
     events = []
     for pool in mgr.pools():
         assert pool.prefix is None and not pool.block_reuse
@@ -83,7 +83,7 @@ def test_block_reuse_is_off_by_default_and_then_nothing_is_published_or_shared()
 
 # -- the target's hit ----------------------------------------------------------------------
 def test_a_second_request_starts_past_the_shared_pages_and_shares_them():
-    mgr = KVCacheManagerV2(config())
+    mgr = KVCacheManagerV2.from_pool_config(config())
     first = request(1, PREFIX + [1, 2, 3])
     prefill(first, mgr)
     assert mgr.get_cache(1).committed == 31
@@ -112,7 +112,7 @@ def test_a_second_request_starts_past_the_shared_pages_and_shares_them():
 
 @pytest.mark.parametrize("length,hit", [(28, 24), (29, 28), (32, 28), (5, 4), (4, 0), (1, 0)])
 def test_the_hit_always_leaves_at_least_one_token_to_compute(length, hit):
-    mgr = KVCacheManagerV2(config(groups=((None, 0),)))
+    mgr = KVCacheManagerV2.from_pool_config(config(groups=((None, 0),)))
     prefill(request(1, PREFIX + [1, 2, 3, 4, 5]), mgr)
     req = request(2, (PREFIX + [1, 2, 3, 4, 5])[:length])
     assert mgr.find_prefix_hit(req) == hit
@@ -123,7 +123,7 @@ def test_the_hit_always_leaves_at_least_one_token_to_compute(length, hit):
 
 
 def test_a_windowed_hit_fails_when_the_lru_evicted_a_window_page():
-    mgr = KVCacheManagerV2(config(groups=((8, 0),), pages=16))
+    mgr = KVCacheManagerV2.from_pool_config(config(groups=((8, 0),), pages=16))
     pool = mgr.pools()[0]
     tokens = list(range(200, 241))  # 41 tokens: the cap is 10 pages
     keys = mgr._new_cache(2).prefix_keys(0, tokens, 10)
@@ -150,7 +150,7 @@ def test_the_hit_ignores_evicted_low_pages_of_a_window_group():
     a full-attention group nothing."""
     tokens = list(range(300, 341))
     for groups, expected in (((8, 0),), 40), (((None, 0),), 0):
-        mgr = KVCacheManagerV2(config(groups=groups, pages=16))
+        mgr = KVCacheManagerV2.from_pool_config(config(groups=groups, pages=16))
         pool = mgr.pools()[0]
         keys = mgr._new_cache(1).prefix_keys(0, tokens, 10)
         pages = pool.allocate(2, owner="seed")
@@ -168,8 +168,8 @@ def test_the_hit_ignores_evicted_low_pages_of_a_window_group():
 
 # -- the draft pool ----------------------------------------------------------------------------
 def pair(mode=Mode.DFLASH, joint=True, draft_groups=((8, 0), (None, 0))):
-    target = KVCacheManagerV2(config(), max_draft_len=2)
-    draft = DraftKVCacheManagerV2(config(groups=draft_groups), spec_mode=mode, max_draft_len=2,
+    target = KVCacheManagerV2.from_pool_config(config(), max_draft_len=2)
+    draft = DraftKVCacheManagerV2.from_pool_config(config(groups=draft_groups), spec_mode=mode, max_draft_len=2,
                                   joint_kv_cache_reuse=joint)
     if joint:
         target.pair_joint_reuse(draft)
@@ -251,11 +251,11 @@ def test_a_joint_mirror_told_to_reuse_pages_its_pool_lacks_fails_explicitly_and_
 
 
 def test_pairing_needs_reuse_on_both_pools_and_one_page_size():
-    target = KVCacheManagerV2(config())
-    not_joint = DraftKVCacheManagerV2(config(), spec_mode=Mode.DFLASH)
+    target = KVCacheManagerV2.from_pool_config(config())
+    not_joint = DraftKVCacheManagerV2.from_pool_config(config(), spec_mode=Mode.DFLASH)
     with pytest.raises(ValueError, match="needs block reuse on both pools"):
         target.pair_joint_reuse(not_joint)
-    other_p = DraftKVCacheManagerV2(config(p=8), spec_mode=Mode.DFLASH, joint_kv_cache_reuse=True)
+    other_p = DraftKVCacheManagerV2.from_pool_config(config(p=8), spec_mode=Mode.DFLASH, joint_kv_cache_reuse=True)
     with pytest.raises(ValueError, match="P=4.*P=8"):
         target.pair_joint_reuse(other_p)
     with pytest.raises(ValueError, match="itself"):
@@ -264,7 +264,7 @@ def test_pairing_needs_reuse_on_both_pools_and_one_page_size():
 
 # -- atomicity, finishing, charges -----------------------------------------------------------
 def test_a_refused_batch_puts_back_the_hit_the_views_and_every_pool():
-    mgr = KVCacheManagerV2(config(pages=12))
+    mgr = KVCacheManagerV2.from_pool_config(config(pages=12))
     prefill(request(1, PREFIX + [1]), mgr)
     mgr.free_resources(1)
     hit = request(2, PREFIX + [5, 6])
@@ -282,7 +282,7 @@ def test_a_refused_batch_puts_back_the_hit_the_views_and_every_pool():
 def test_a_failed_update_unpublishes_what_it_published(monkeypatch):
     from tensorrt_llm_draftkv.manager import prefix_reuse
 
-    mgr = KVCacheManagerV2(config())
+    mgr = KVCacheManagerV2.from_pool_config(config())
     reqs = [request(1, PREFIX + [1]), request(2, [5] * 20)]
     batch = ScheduledRequests(reqs)
     mgr.prepare_resources(batch)
@@ -326,8 +326,8 @@ def test_with_reuse_a_request_holds_no_more_unique_pages_than_without_and_stays_
     groups = ((None, 0), (8, 1))
     charge = request_charge(config(groups=groups).layer_groups, P, chunk=8, max_seq_len=64, max_draft_len=2,
                             aligned=False)
-    shared = KVCacheManagerV2(config(groups=groups), max_draft_len=2)
-    alone = KVCacheManagerV2(config(groups=groups, reuse=False), max_draft_len=2)
+    shared = KVCacheManagerV2.from_pool_config(config(groups=groups), max_draft_len=2)
+    alone = KVCacheManagerV2.from_pool_config(config(groups=groups, reuse=False), max_draft_len=2)
     prefill(request(1, PREFIX + [1, 2]), shared)
     a, b = request(2, PREFIX + [3, 4, 5]), request(2, PREFIX + [3, 4, 5])
     prefill(b, alone)
@@ -374,7 +374,7 @@ def test_plan_prints_the_shared_prefix_savings(capsys):
 
 
 def test_dummies_are_never_published_nor_given_a_hit():
-    mgr = KVCacheManagerV2(config())
+    mgr = KVCacheManagerV2.from_pool_config(config())
     prefill(request(1, [0] * 33), mgr)  # a real request of zeros publishes 8 pages per group
     published = mgr.pools()[0].prefix.num_published
     (dummy,) = mgr.add_dummy_requests([50], [33])
@@ -405,8 +405,8 @@ def test_the_drafter_window_cap_table(prompt_len, windows, p, cap):
 def test_keep_drafter_window_stops_the_hit_short_of_the_draft_window():
     """Full-attention target, draft window 12: a 31-token prompt's drafter reads [20, 31) at its first
     generation step, so the hit stops at 20 (page 5), not at the 28 cached tokens."""
-    target = KVCacheManagerV2(config(groups=((None, 0),)))
-    draft = DraftKVCacheManagerV2(
+    target = KVCacheManagerV2.from_pool_config(config(groups=((None, 0),)))
+    draft = DraftKVCacheManagerV2.from_pool_config(
         KVPoolConfig((LayerGroupConfig(1, window=12),), (64,), tokens_per_block=P, head_dim=1, max_seq_len=256),
         spec_mode=Mode.DFLASH, max_draft_len=2,
     )
@@ -422,13 +422,13 @@ def test_keep_drafter_window_stops_the_hit_short_of_the_draft_window():
 
 
 def test_keep_drafter_window_refuses_a_joint_partner_and_a_pool_without_reuse():
-    target = KVCacheManagerV2(config(groups=((None, 0),)))
+    target = KVCacheManagerV2.from_pool_config(config(groups=((None, 0),)))
     draft_cfg = KVPoolConfig((LayerGroupConfig(1, window=12),), (64,), tokens_per_block=P, head_dim=1,
                              max_seq_len=256, enable_block_reuse=True)
-    joint = DraftKVCacheManagerV2(draft_cfg, spec_mode=Mode.DFLASH, max_draft_len=2, joint_kv_cache_reuse=True)
+    joint = DraftKVCacheManagerV2.from_pool_config(draft_cfg, spec_mode=Mode.DFLASH, max_draft_len=2, joint_kv_cache_reuse=True)
     target.pair_joint_reuse(joint)
     with pytest.raises(ValueError, match="paired for joint reuse"):
         target.keep_drafter_window(joint)
-    plain = KVCacheManagerV2(config(groups=((None, 0),), reuse=False))
+    plain = KVCacheManagerV2.from_pool_config(config(groups=((None, 0),), reuse=False))
     with pytest.raises(ValueError, match="needs block reuse"):
         plain.keep_drafter_window(joint)

@@ -141,7 +141,7 @@ def test_group_estimator_equals_brute_force_with_sinks_and_trail():
 # -- the sweep over the real manager ----------------------------------------------------------------------------
 def _TrailTarget(config, **kw) -> KVCacheManagerV2:
     """The target manager with every window widened by one page (the estimator's `trail_tokens = P`)."""
-    return KVCacheManagerV2(config, trail_tokens=config.tokens_per_block, **kw)
+    return KVCacheManagerV2.from_pool_config(config, trail_tokens=config.tokens_per_block, **kw)
 
 
 def _worst_prompt(w_eff, sinks, p, c, headroom):
@@ -178,11 +178,11 @@ def _run_request(rnd, geometry):
         max_seq_len=1 << 20,
     )
     if kind == "target":
-        mgr = KVCacheManagerV2(config, max_draft_len=d, num_extra_kv_tokens=e)
+        mgr = KVCacheManagerV2.from_pool_config(config, max_draft_len=d, num_extra_kv_tokens=e)
     elif kind == "trail":
         mgr = _TrailTarget(config, max_draft_len=d, num_extra_kv_tokens=e)
     else:
-        mgr = DraftKVCacheManagerV2(
+        mgr = DraftKVCacheManagerV2.from_pool_config(
             config, spec_mode=SpeculativeDecodingMode.DSPARK, max_draft_len=d, num_extra_kv_tokens=e
         )
     w_eff = mgr.layer_groups[0].life_cycle.window
@@ -414,7 +414,7 @@ def test_max_concurrency_requests_fit_the_real_pool():
     n = max_concurrency(pool_pages, per_request)
     assert n == 3
     config = KVPoolConfig(layer_groups=(LayerGroupConfig(1, window=w),), pages_per_group=(pool_pages,), tokens_per_block=p)
-    mgr = KVCacheManagerV2(config, max_draft_len=d)
+    mgr = KVCacheManagerV2.from_pool_config(config, max_draft_len=d)
     prompt = _worst_prompt(w, 0, p, c, c + d)
     reqs = [LlmRequest(i, prompt_len=prompt) for i in range(n)]
     for r in reqs:

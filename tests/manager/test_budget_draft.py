@@ -143,7 +143,7 @@ def test_the_plan_command_prints_the_figure(capsys):
 def test_planner_trail_tokens_match_the_manager(mode, windows):
     groups = tuple(LayerGroupConfig(1, window=w) for w in windows)
     geometry = PoolGeometry(groups, 1, 1, torch.float32, 32)
-    mgr = DraftKVCacheManagerV2(
+    mgr = DraftKVCacheManagerV2.from_pool_config(
         KVPoolConfig(groups, (1,) * len(groups), tokens_per_block=32, num_kv_heads=1, head_dim=1), spec_mode=mode
     )
     assert trail_tokens_for(mode, geometry, is_draft_pool=True) == mgr._draft_slot_trail_tokens
@@ -176,7 +176,7 @@ TARGET_GROUP = LayerGroupConfig(4, window=None)
 def run_lockstep(pages: int) -> dict[int, int]:
     """N identical DFlash requests in lockstep on a draft pool of `pages`; peak pages per request."""
     config = KVPoolConfig((DRAFT_GROUP,), (pages,), tokens_per_block=P, num_kv_heads=1, head_dim=1)
-    mgr = DraftKVCacheManagerV2(config, spec_mode=Mode.DFLASH, max_draft_len=DRAFTS)
+    mgr = DraftKVCacheManagerV2.from_pool_config(config, spec_mode=Mode.DFLASH, max_draft_len=DRAFTS)
     reqs = [LlmRequest(i, prompt_len=PROMPT, target_view=ContextView(0, CHUNK)) for i in range(N)]
     peak = {i: 0 for i in range(N)}
     for step in range(PROMPT // CHUNK + 4):

@@ -53,13 +53,13 @@ def pool_config(window=8, p=4, pages=(64, 64), guard=False, max_seq_len=64, dtyp
 
 
 def make_target(guard=False, pages=(64, 64), draft=0, extra=0, window=8) -> KVCacheManagerV2:
-    return KVCacheManagerV2(
+    return KVCacheManagerV2.from_pool_config(
         pool_config(window=window, pages=pages, guard=guard), max_draft_len=draft, num_extra_kv_tokens=extra
     )
 
 
 def make_draft(mode="dflash", sizing="history", pages=(64, 64), draft=0, extra=0, window=8) -> DraftKVCacheManagerV2:
-    return DraftKVCacheManagerV2(
+    return DraftKVCacheManagerV2.from_pool_config(
         pool_config(window=window, pages=pages),
         spec_mode=mode,
         max_draft_len=draft,
@@ -446,7 +446,7 @@ def test_spec_mode_strings():
     assert by_name.windows == by_enum.windows and by_name.draft_slot_trail_tokens == 4
     assert make_draft("DRAFT-TARGET-ONE-MODEL").spec_mode is Mode.DRAFT_TARGET_ONE_MODEL
     assert make_draft("Eagle3_One_Model").spec_mode is Mode.EAGLE3_ONE_MODEL
-    with pytest.raises(ValueError, match=r"unknown speculative decoding mode 'medusa'; known: mtp, eagle3_one_model, .*dflash, dspark"):
+    with pytest.raises(ValueError, match=r"unknown speculative decoding mode 'medusa'; known: mtp, mtp_eagle, .*dflash, dspark, none, auto"):
         make_draft("medusa")
     with pytest.raises(TypeError, match=r"SpeculativeDecodingMode or a string, got int"):
         make_draft(3)
@@ -460,7 +460,7 @@ def test_dtype_strings():
     cfg = pool_config(dtype="bf16")
     assert cfg.dtype is torch.bfloat16 and cfg == pool_config(dtype=torch.bfloat16)
     assert pool_config(dtype="Float16").dtype is torch.float16
-    mgr = KVCacheManagerV2(cfg)
+    mgr = KVCacheManagerV2.from_pool_config(cfg)
     assert all(layer.dtype is torch.bfloat16 for pool in mgr.pools() for layer in pool.layers)
     with pytest.raises(ValueError, match=r"unknown dtype 'int4'; known: bf16, bfloat16, .*fp8"):
         pool_config(dtype="int4")

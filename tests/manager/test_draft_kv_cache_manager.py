@@ -31,7 +31,7 @@ from support import ceil_div
 
 ALL_MODES = list(Mode)
 EXTERNAL = [Mode.PARD, Mode.DFLASH, Mode.DSPARK, Mode.DRAFT_TARGET_ONE_MODEL]
-IN_STEP = [Mode.MTP, Mode.EAGLE3_ONE_MODEL, Mode.DRAFT_TARGET_TWO_MODEL]
+IN_STEP = [Mode.MTP, Mode.EAGLE3_ONE_MODEL, Mode.DRAFT_TARGET, Mode.EAGLE3, Mode.MTP_EAGLE]
 TRAILING = [Mode.DFLASH, Mode.DSPARK]
 NON_TRAILING_EXTERNAL = [Mode.PARD, Mode.DRAFT_TARGET_ONE_MODEL]
 
@@ -138,7 +138,7 @@ def make_req(rid, scenario, use_draft_model=False) -> LlmRequest:
 @pytest.mark.parametrize("flip", [None, False, True])
 @pytest.mark.parametrize("sizing", ["history", "legacy"])
 def test_draft_manager_view_selection(mode, scenario, flip, sizing):
-    mgr = DraftKVCacheManagerV2(
+    mgr = DraftKVCacheManagerV2.from_pool_config(
         config(), spec_mode=mode, max_draft_len=DRAFT, num_extra_kv_tokens=EXTRA, sizing=sizing
     )
     reads_target = sizing == "history" and mode in EXTERNAL
@@ -162,8 +162,8 @@ def test_draft_manager_view_selection(mode, scenario, flip, sizing):
 def test_target_managers_always_follow_the_target_view(mode, scenario, flip, use_draft_model):
     target_view = SCENARIOS[scenario][0]
     managers = [
-        KVCacheManagerV2(config(), max_draft_len=DRAFT, num_extra_kv_tokens=EXTRA),
-        DraftKVCacheManagerV2(
+        KVCacheManagerV2.from_pool_config(config(), max_draft_len=DRAFT, num_extra_kv_tokens=EXTRA),
+        DraftKVCacheManagerV2.from_pool_config(
             config(), spec_mode=mode, max_draft_len=DRAFT, num_extra_kv_tokens=EXTRA, is_draft=False
         ),
     ]
@@ -180,7 +180,7 @@ def test_target_managers_always_follow_the_target_view(mode, scenario, flip, use
 @pytest.mark.parametrize("flip", [None, True])
 def test_update_context_resources_follows_the_view_the_mirror_reads(mode, flip):
     """History after a chunk follows the mirror's view: the target's for external drafters."""
-    mgr = DraftKVCacheManagerV2(config(windows=(32,)), spec_mode=mode, max_draft_len=DRAFT)
+    mgr = DraftKVCacheManagerV2.from_pool_config(config(windows=(32,)), spec_mode=mode, max_draft_len=DRAFT)
     req = LlmRequest(3, prompt_len=PROMPT, target_view=ContextView(0, 64))  # draft view stays (0, 200)
     batch = ctx([req])
     with flipped(flip, batch):
@@ -198,7 +198,7 @@ def test_update_context_resources_follows_the_view_the_mirror_reads(mode, flip):
 @pytest.mark.parametrize("mode", EXTERNAL)
 @pytest.mark.parametrize("with_update", [False, True])
 def test_continuation_chunks_pass_the_chunk_start_as_history(record, mode, with_update):
-    mgr = DraftKVCacheManagerV2(
+    mgr = DraftKVCacheManagerV2.from_pool_config(
         config(windows=(64,)), spec_mode=mode, max_draft_len=DRAFT, num_extra_kv_tokens=EXTRA
     )
     logs = record(mgr)
@@ -220,7 +220,7 @@ def test_continuation_chunks_pass_the_chunk_start_as_history(record, mode, with_
 
 @pytest.mark.parametrize("mode", IN_STEP)
 def test_draft_view_mirrors_keep_the_old_resize_without_history(record, mode):
-    mgr = DraftKVCacheManagerV2(
+    mgr = DraftKVCacheManagerV2.from_pool_config(
         config(windows=(64,)), spec_mode=mode, max_draft_len=DRAFT, num_extra_kv_tokens=EXTRA
     )
     logs = record(mgr)
@@ -240,7 +240,7 @@ def test_draft_view_mirrors_keep_the_old_resize_without_history(record, mode):
 @pytest.mark.parametrize("mode", TRAILING)
 @pytest.mark.parametrize("start, chunk", [(256, 64), (256, 144), (1000, 37)])
 def test_dflash_dspark_mirror_first_seen_past_zero_takes_the_start_as_history(record, mode, start, chunk):
-    mgr = DraftKVCacheManagerV2(
+    mgr = DraftKVCacheManagerV2.from_pool_config(
         config(windows=(64,)), spec_mode=mode, max_draft_len=DRAFT, num_extra_kv_tokens=EXTRA
     )
     assert mgr._draft_slot_trail_tokens == 16  # a trail page on this pool
@@ -259,7 +259,7 @@ def test_dflash_dspark_mirror_first_seen_past_zero_takes_the_start_as_history(re
 
 @pytest.mark.parametrize("mode", NON_TRAILING_EXTERNAL)
 def test_pard_and_draft_target_first_seen_past_zero_keep_the_old_sizing(record, mode):
-    mgr = DraftKVCacheManagerV2(
+    mgr = DraftKVCacheManagerV2.from_pool_config(
         config(windows=(64,)), spec_mode=mode, max_draft_len=DRAFT, num_extra_kv_tokens=EXTRA
     )
     assert mgr._draft_slot_trail_tokens == 0  # no trail page
@@ -278,7 +278,7 @@ def test_pard_and_draft_target_first_seen_past_zero_keep_the_old_sizing(record, 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_legacy_rules_size_every_mirror_from_the_draft_view_without_history(record, mode):
-    mgr = DraftKVCacheManagerV2(
+    mgr = DraftKVCacheManagerV2.from_pool_config(
         config(windows=(64,)), spec_mode=mode, max_draft_len=DRAFT, num_extra_kv_tokens=EXTRA, sizing="legacy"
     )
     assert mgr._draft_slot_trail_tokens == 0
@@ -291,7 +291,7 @@ def test_legacy_rules_size_every_mirror_from_the_draft_view_without_history(reco
 @pytest.mark.parametrize("mode", ALL_MODES)
 @pytest.mark.parametrize("prompt", [1, 100, 4097])
 def test_disagg_gen_init_sizing_under_both_views(record, mode, prompt):
-    mgr = DraftKVCacheManagerV2(
+    mgr = DraftKVCacheManagerV2.from_pool_config(
         config(windows=(64,)), spec_mode=mode, max_draft_len=DRAFT, num_extra_kv_tokens=EXTRA
     )
     logs = record(mgr)
@@ -313,7 +313,7 @@ def test_disagg_gen_init_sizing_under_both_views(record, mode, prompt):
 
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_disagg_gen_init_legacy_is_a_whole_prompt_chunk_from_zero(record, mode):
-    mgr = DraftKVCacheManagerV2(
+    mgr = DraftKVCacheManagerV2.from_pool_config(
         config(windows=(64,), pages=512), spec_mode=mode, max_draft_len=DRAFT, num_extra_kv_tokens=EXTRA, sizing="legacy"
     )
     logs = record(mgr)
@@ -324,7 +324,7 @@ def test_disagg_gen_init_legacy_is_a_whole_prompt_chunk_from_zero(record, mode):
 
 
 def test_target_manager_disagg_gen_init_matches():
-    mgr = KVCacheManagerV2(config(windows=(64,)), max_draft_len=DRAFT, num_extra_kv_tokens=EXTRA)
+    mgr = KVCacheManagerV2.from_pool_config(config(windows=(64,)), max_draft_len=DRAFT, num_extra_kv_tokens=EXTRA)
     req = LlmRequest(5, prompt_len=4097, state=LlmRequestState.DISAGG_GENERATION_INIT)
     mgr.prepare_disagg_gen_init(req)
     cache = mgr.get_cache(5)
@@ -343,7 +343,7 @@ WINDOW_LAYOUTS = [(None,), (64,), (64, None), (None, 100), (64, 200)]
 @pytest.mark.parametrize("trail_page", [True, False])
 @pytest.mark.parametrize("is_draft", [True, False])
 def test_trail_tokens_widen_every_window_of_the_pool(mode, windows, sizing, trail_page, is_draft):
-    mgr = DraftKVCacheManagerV2(
+    mgr = DraftKVCacheManagerV2.from_pool_config(
         config(windows=windows, pages=8), spec_mode=mode, sizing=sizing, trail_page=trail_page, is_draft=is_draft
     )
     on = (
@@ -361,7 +361,7 @@ def test_trail_tokens_widen_every_window_of_the_pool(mode, windows, sizing, trai
 def test_the_trail_page_keeps_exactly_one_more_page_below_the_window():
     held = {}
     for mode in (Mode.DFLASH, Mode.PARD):
-        mgr = DraftKVCacheManagerV2(config(windows=(64,)), spec_mode=mode)
+        mgr = DraftKVCacheManagerV2.from_pool_config(config(windows=(64,)), spec_mode=mode)
         req = LlmRequest(1, prompt_len=256, state=LlmRequestState.DISAGG_GENERATION_INIT)
         mgr.prepare_disagg_gen_init(req)  # history 256, capacity 257
         row = mgr.get_cache(1).block_row(0)
@@ -390,7 +390,7 @@ def diagnostic_lines(mgr) -> list[str]:
 @pytest.mark.parametrize("mode", EXTERNAL + IN_STEP)
 def test_a_mirror_that_cannot_grow_raises_with_the_pool_diagnostic(mode):
     # Group 0 windowed, group 1 full attention with only 10 pages.
-    mgr = DraftKVCacheManagerV2(
+    mgr = DraftKVCacheManagerV2.from_pool_config(
         config(windows=(64, None), pages=(40, 10)), spec_mode=mode, max_draft_len=DRAFT, num_extra_kv_tokens=EXTRA
     )
     a = LlmRequest(11, prompt_len=400, target_view=ContextView(0, 64))
@@ -432,7 +432,7 @@ def test_a_mirror_that_cannot_grow_raises_with_the_pool_diagnostic(mode):
 
 
 def test_generation_resize_error_names_the_generation_phase():
-    mgr = DraftKVCacheManagerV2(config(windows=(None,), pages=3), spec_mode=Mode.DFLASH, max_draft_len=DRAFT)
+    mgr = DraftKVCacheManagerV2.from_pool_config(config(windows=(None,), pages=3), spec_mode=Mode.DFLASH, max_draft_len=DRAFT)
     req = LlmRequest(21, prompt_len=40, state=LlmRequestState.DISAGG_GENERATION_INIT)
     mgr.prepare_disagg_gen_init(req)  # 44 tokens: 3 pages, the whole pool
     req.state = LlmRequestState.GENERATION_IN_PROGRESS
@@ -449,7 +449,7 @@ def test_generation_resize_error_names_the_generation_phase():
 @pytest.fixture
 def full_pool():
     def make(mode, pages=6):
-        mgr = DraftKVCacheManagerV2(config(windows=(64,), pages=pages), spec_mode=mode, max_draft_len=DRAFT)
+        mgr = DraftKVCacheManagerV2.from_pool_config(config(windows=(64,), pages=pages), spec_mode=mode, max_draft_len=DRAFT)
         hog = LlmRequest(1, prompt_len=92, target_view=ContextView(0, 92))  # 92 + 3 = 95 tokens -> 6 pages
         hog.sync_draft_view()
         mgr.prepare_resources(ctx([hog]))
@@ -495,14 +495,14 @@ def test_exhausted_pool_fails_explicitly_and_leaks_nothing(full_pool, mode, kind
 
 
 def test_a_failed_dummy_batch_frees_the_dummies_it_made():
-    mgr = DraftKVCacheManagerV2(config(windows=(64,), pages=5), spec_mode=Mode.DFLASH, max_draft_len=DRAFT)
+    mgr = DraftKVCacheManagerV2.from_pool_config(config(windows=(64,), pages=5), spec_mode=Mode.DFLASH, max_draft_len=DRAFT)
     with pytest.raises(KVCacheResizeError, match="dummy resize failed for request 8"):
         mgr.add_dummy_requests([7, 8], [40, 40], max_num_draft_tokens=DRAFT)  # 3 pages each
     assert mgr.request_ids() == [] and mgr.free_pages() == (5,)
 
 
 def test_capacity_below_history_is_a_value_error_and_the_fresh_mirror_is_dropped():
-    mgr = DraftKVCacheManagerV2(config(windows=(64,)), spec_mode=Mode.DFLASH)
+    mgr = DraftKVCacheManagerV2.from_pool_config(config(windows=(64,)), spec_mode=Mode.DFLASH)
     with pytest.raises(ValueError):
         mgr.add_dummy_requests([3], [10], history_hint=-1)
     assert not mgr.has_cache(3)
@@ -514,7 +514,7 @@ def test_capacity_below_history_is_a_value_error_and_the_fresh_mirror_is_dropped
 @pytest.mark.parametrize("mode", ALL_MODES)
 @pytest.mark.parametrize("pages", [4, 6, 8, 10, 12, 14, 16, 20, 24, 30])
 def test_admit_mirror_agrees_with_what_prepare_then_does(mode, pages):
-    mgr = DraftKVCacheManagerV2(config(windows=(48,), pages=pages), spec_mode=mode, max_draft_len=DRAFT)
+    mgr = DraftKVCacheManagerV2.from_pool_config(config(windows=(48,), pages=pages), spec_mode=mode, max_draft_len=DRAFT)
     other = LlmRequest(50, prompt_len=30, state=LlmRequestState.DISAGG_GENERATION_INIT)
     if mgr.admit_mirror(other):
         mgr.prepare_disagg_gen_init(other)
@@ -570,7 +570,7 @@ def test_admit_mirror_agrees_with_what_prepare_then_does(mode, pages):
 @pytest.mark.parametrize("mode", EXTERNAL)
 def test_joint_reuse_pool_counts_as_covering_the_prefix(record, mode):
     """A pool that joins the target's block reuse holds [0, start): every external mirror takes history."""
-    mgr = DraftKVCacheManagerV2(
+    mgr = DraftKVCacheManagerV2.from_pool_config(
         config(windows=(64,)), spec_mode=mode, max_draft_len=DRAFT, num_extra_kv_tokens=EXTRA, joint_kv_cache_reuse=True
     )
     logs = record(mgr)
@@ -582,7 +582,7 @@ def test_joint_reuse_pool_counts_as_covering_the_prefix(record, mode):
 @pytest.mark.parametrize("windows", [(None,), (8,)])
 def test_update_resources_advances_history_even_when_the_next_slot_has_no_page(windows):
     """All drafts accepted on a full pool: history still follows the request, nothing is allocated."""
-    mgr = DraftKVCacheManagerV2(config(windows=windows, pages=3, p=4), spec_mode=Mode.DFLASH, max_draft_len=3)
+    mgr = DraftKVCacheManagerV2.from_pool_config(config(windows=windows, pages=3, p=4), spec_mode=Mode.DFLASH, max_draft_len=3)
     req = LlmRequest(1, prompt_len=4, state=LlmRequestState.DISAGG_GENERATION_INIT)
     mgr.prepare_disagg_gen_init(req)  # capacity 8, history 4
     req.state = LlmRequestState.GENERATION_IN_PROGRESS

@@ -120,7 +120,7 @@ def test_history_mirror_stays_within_the_estimate_and_never_fails(sc, data):
         head_dim=1,
         max_seq_len=max_seq_len,
     )
-    mgr = DraftKVCacheManagerV2(config, spec_mode=mode, max_draft_len=drafts, num_extra_kv_tokens=extra)
+    mgr = DraftKVCacheManagerV2.from_pool_config(config, spec_mode=mode, max_draft_len=drafts, num_extra_kv_tokens=extra)
     assert mgr._draft_slot_trail_tokens == trail
     kept = list(mgr.windows)
     in_step = not mode.is_external_drafter()  # MTP / Eagle3 / two-model: the draft view kept in step
@@ -211,8 +211,8 @@ def test_legacy_needs_the_whole_prompt_where_history_needs_the_window(p, window,
     """The same request on both rule sets: legacy backs [0, prompt + drafts) at once."""
     pages = 4096 // p + 64
     cfg = KVPoolConfig((LayerGroupConfig(1, window=window),), (pages,), tokens_per_block=p, num_kv_heads=1, head_dim=1)
-    legacy = DraftKVCacheManagerV2(cfg, spec_mode=mode, max_draft_len=drafts, sizing="legacy")
-    history = DraftKVCacheManagerV2(cfg, spec_mode=mode, max_draft_len=drafts)
+    legacy = DraftKVCacheManagerV2.from_pool_config(cfg, spec_mode=mode, max_draft_len=drafts, sizing="legacy")
+    history = DraftKVCacheManagerV2.from_pool_config(cfg, spec_mode=mode, max_draft_len=drafts)
     req_l = LlmRequest(1, prompt_len=prompt, target_view=ContextView(0, min(chunk, prompt)))
     req_h = LlmRequest(1, prompt_len=prompt, target_view=ContextView(0, min(chunk, prompt)))
     legacy.prepare_resources(ScheduledRequests([req_l]))

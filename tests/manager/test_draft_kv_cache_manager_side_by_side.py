@@ -60,7 +60,7 @@ def make_manager(sizing: str) -> DraftKVCacheManagerV2:
         head_dim=1,
         max_seq_len=MAX_SEQ_LEN,
     )
-    return DraftKVCacheManagerV2(
+    return DraftKVCacheManagerV2.from_pool_config(
         config, spec_mode=Mode.DSPARK, max_draft_len=DRAFTS, joint_kv_cache_reuse=False, sizing=sizing
     )
 

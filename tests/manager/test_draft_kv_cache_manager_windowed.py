@@ -71,14 +71,14 @@ GEOMETRIES = [
 @pytest.mark.parametrize("p, window, chunk, prompt, drafts, extra", GEOMETRIES)
 def test_windowed_mirror_backs_what_the_next_chunk_attends(mode, p, window, chunk, prompt, drafts, extra):
     pages = 2 * ceil_div(window + p + chunk + drafts + extra, p) + 4
-    mgr = DraftKVCacheManagerV2(
+    mgr = DraftKVCacheManagerV2.from_pool_config(
         config(window, pages, p),
         spec_mode=mode,
         max_draft_len=drafts,
         num_extra_kv_tokens=extra,
         joint_kv_cache_reuse=False,
     )
-    target = KVCacheManagerV2(config(window, pages, p), max_draft_len=drafts, num_extra_kv_tokens=extra)
+    target = KVCacheManagerV2.from_pool_config(config(window, pages, p), max_draft_len=drafts, num_extra_kv_tokens=extra)
     trail = p if mode is Mode.DFLASH else 0
     assert mgr.windows == (window + trail,)
     kept = window + trail
@@ -136,7 +136,7 @@ def test_windowed_mirror_backs_what_the_next_chunk_attends(mode, p, window, chun
 def test_external_drafter_needs_no_draft_view_sync(mode):
     """The external drafter's executor never touches the draft view; the mirror still slides."""
     p, window, chunk, prompt = 16, 100, 64, 640
-    mgr = DraftKVCacheManagerV2(config(window, 32, p), spec_mode=mode, max_draft_len=3)
+    mgr = DraftKVCacheManagerV2.from_pool_config(config(window, 32, p), spec_mode=mode, max_draft_len=3)
     kept = mgr.windows[0]
     req = LlmRequest(2, prompt_len=prompt, target_view=ContextView(0, chunk))
     batch = ScheduledRequests(context_requests=[req])
@@ -159,7 +159,7 @@ def test_gen_init_mirror_survives_generation_updates(mode):
     p, window, pages, drafts, extra = 32, 4096, 256, 3, 1
     prompt = 65536
     assert pages * p == 8192
-    mgr = DraftKVCacheManagerV2(
+    mgr = DraftKVCacheManagerV2.from_pool_config(
         config(window, pages, p), spec_mode=mode, max_draft_len=drafts, num_extra_kv_tokens=extra
     )
     kept = mgr.windows[0]
@@ -205,7 +205,7 @@ def test_gen_init_mirror_survives_generation_updates(mode):
     assert req.max_beam_num_tokens == prompt + 1 + (1 + drafts) + (1 + 0) + (1 + 1)
 
     # The pre-fix sizing cannot even start this request on this pool.
-    legacy = DraftKVCacheManagerV2(
+    legacy = DraftKVCacheManagerV2.from_pool_config(
         config(window, pages, p), spec_mode=mode, max_draft_len=drafts, num_extra_kv_tokens=extra, sizing="legacy"
     )
     fresh = LlmRequest(7, prompt_len=prompt, state=LlmRequestState.DISAGG_GENERATION_INIT)
@@ -226,7 +226,7 @@ def test_gen_init_mirror_survives_generation_updates(mode):
 @pytest.mark.parametrize("tokens", [4096, 4097, 65536])
 def test_windowed_draft_pool_backs_only_the_window_of_a_generation_dummy(mode, tokens):
     p, window, drafts, extra = 16, 256, 3, 1
-    mgr = DraftKVCacheManagerV2(config(window, 32, p), spec_mode=mode, max_draft_len=drafts, num_extra_kv_tokens=extra)
+    mgr = DraftKVCacheManagerV2.from_pool_config(config(window, 32, p), spec_mode=mode, max_draft_len=drafts, num_extra_kv_tokens=extra)
     kept = mgr.windows[0]
     hint = tokens - 1  # the target cache's history for a generation dummy of `tokens` tokens
     (dummy,) = mgr.add_dummy_requests([900], [tokens], is_gen=True, max_num_draft_tokens=drafts, history_hint=hint)
@@ -239,18 +239,18 @@ def test_windowed_draft_pool_backs_only_the_window_of_a_generation_dummy(mode, t
     assert cache.num_held_pages() <= ceil_div(kept + drafts + extra, p) + 1
 
     # The target cache gets the same hint and backs its (unwidened) window.
-    target = KVCacheManagerV2(config(window, 32, p), max_draft_len=drafts, num_extra_kv_tokens=extra)
+    target = KVCacheManagerV2.from_pool_config(config(window, 32, p), max_draft_len=drafts, num_extra_kv_tokens=extra)
     target.add_dummy_requests([900], [tokens], is_gen=True, max_num_draft_tokens=drafts, history_hint=hint)
     assert backed(target.get_cache(900)) == overlapping(hint + 1 - window, capacity, p)
 
     # Legacy drops the hint: the dummy's mirror would back every ordinal from 0.
-    legacy = DraftKVCacheManagerV2(
+    legacy = DraftKVCacheManagerV2.from_pool_config(
         config(window, 32, p), spec_mode=mode, max_draft_len=drafts, num_extra_kv_tokens=extra, sizing="legacy"
     )
     with pytest.raises(KVCacheResizeError, match=rf"dummy resize failed for request 900: could not resize to {capacity} tokens \(history unchanged\)"):
         legacy.add_dummy_requests([900], [tokens], is_gen=True, max_num_draft_tokens=drafts, history_hint=hint)
     assert legacy.request_ids() == [] and legacy.free_pages() == (32,)
-    big = DraftKVCacheManagerV2(
+    big = DraftKVCacheManagerV2.from_pool_config(
         config(window, 5000, p), spec_mode=mode, max_draft_len=drafts, num_extra_kv_tokens=extra, sizing="legacy"
     )
     big.add_dummy_requests([900], [tokens], is_gen=True, max_num_draft_tokens=drafts, history_hint=hint)

@@ -32,7 +32,7 @@ def _manager(window: int | None, *, guard: bool, kv_factor: int = 2, max_seq_len
         guard_page=guard,
         kv_factor=kv_factor,
     )
-    return KVCacheManagerV2(config)
+    return KVCacheManagerV2.from_pool_config(config)
 
 
 def _brute(mgr: KVCacheManagerV2, ids: list[int], backend: str, width: int) -> np.ndarray:
@@ -152,7 +152,7 @@ def test_long_rows_convert_only_their_live_tail():
         layer_groups=(LayerGroupConfig(1, window=16),), pages_per_group=(16,), tokens_per_block=P,
         num_kv_heads=1, head_dim=2, max_seq_len=8192,
     )
-    mgr = KVCacheManagerV2(config)
+    mgr = KVCacheManagerV2.from_pool_config(config)
     mgr.add_dummy_requests([0], [1])
     cache = mgr.get_cache(0)
     assert cache.resize(8000, 7990)

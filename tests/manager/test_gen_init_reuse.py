@@ -49,7 +49,7 @@ def snapshot(*managers) -> tuple:
 
 
 def test_the_hit_is_taken_at_the_prompt_end_and_adopts_the_published_pages_shared():
-    mgr = KVCacheManagerV2(config())
+    mgr = KVCacheManagerV2.from_pool_config(config())
     a = serve(mgr, 1, PREFIX + A_TAIL)
     row_a = [mgr.get_cache(1).block_row(g) for g in (0, 1)]
     # A published: full group ordinals [0, 7); window group only ordinal 6 (it received [24, 31), so
@@ -84,7 +84,7 @@ def test_the_hit_is_taken_at_the_prompt_end_and_adopts_the_published_pages_share
 
 
 def test_a_prompt_that_differs_inside_the_prefix_only_adopts_the_pages_before_the_difference():
-    mgr = KVCacheManagerV2(config())
+    mgr = KVCacheManagerV2.from_pool_config(config())
     serve(mgr, 1, PREFIX + A_TAIL)
     row_a = mgr.get_cache(1).block_row(0)
     other = list(PREFIX + B_TAIL)
@@ -100,17 +100,17 @@ def test_a_prompt_that_differs_inside_the_prefix_only_adopts_the_pages_before_th
 
 
 def test_no_hit_without_block_reuse_for_a_fresh_prompt_or_one_the_window_alone_would_adopt_nothing():
-    assert KVCacheManagerV2(config(reuse=False)).find_gen_init_hit(gen_request(1, PREFIX + A_TAIL)) == 0
-    mgr = KVCacheManagerV2(config())
+    assert KVCacheManagerV2.from_pool_config(config(reuse=False)).find_gen_init_hit(gen_request(1, PREFIX + A_TAIL)) == 0
+    mgr = KVCacheManagerV2.from_pool_config(config())
     assert mgr.find_gen_init_hit(gen_request(1, PREFIX + A_TAIL)) == 0
     # A window-only pool: ordinals below (m + 1 - W) // P are stale at m, so an empty pool 'allows'
     # a hit there, but it would adopt no page: that is no hit.
-    win = KVCacheManagerV2(config(groups=((8, 0),)))
+    win = KVCacheManagerV2.from_pool_config(config(groups=((8, 0),)))
     assert win.find_gen_init_hit(gen_request(1, PREFIX + A_TAIL)) == 0
 
 
 def test_a_failing_generation_init_leaves_pools_caches_and_the_request_as_they_were():
-    mgr = KVCacheManagerV2(config(pages=9))
+    mgr = KVCacheManagerV2.from_pool_config(config(pages=9))
     a = serve(mgr, 1, PREFIX + A_TAIL)  # capacity 32: the full group holds 8 pages of 9
     b = gen_request(2, PREFIX + B_TAIL)
     assert mgr.find_gen_init_hit(b) == 28
@@ -127,7 +127,7 @@ def test_a_failing_generation_init_leaves_pools_caches_and_the_request_as_they_w
 
 
 def test_a_hit_the_pool_does_not_hold_or_a_bad_hit_is_refused_naming_the_request_and_changes_nothing():
-    mgr = KVCacheManagerV2(config())
+    mgr = KVCacheManagerV2.from_pool_config(config())
     serve(mgr, 1, PREFIX + A_TAIL)
     before = snapshot(mgr)
     fresh = gen_request(5, [50 + i for i in range(33)])
@@ -142,7 +142,7 @@ def test_a_hit_the_pool_does_not_hold_or_a_bad_hit_is_refused_naming_the_request
 
 
 def test_publishing_an_unknown_request_raises_an_error_naming_it():
-    mgr = KVCacheManagerV2(config())
+    mgr = KVCacheManagerV2.from_pool_config(config())
     serve(mgr, 1, PREFIX + A_TAIL)
     before = snapshot(mgr)
     with pytest.raises(MissingKVCacheError, match=r"publish_gen_init names request 77"):
@@ -151,8 +151,8 @@ def test_publishing_an_unknown_request_raises_an_error_naming_it():
 
 
 def test_a_joint_draft_pool_adopts_the_same_prefix_and_the_hit_needs_both_pools():
-    target = KVCacheManagerV2(config())
-    draft = DraftKVCacheManagerV2(config(groups=((8, 0),)), spec_mode=Mode.DFLASH, joint_kv_cache_reuse=True)
+    target = KVCacheManagerV2.from_pool_config(config())
+    draft = DraftKVCacheManagerV2.from_pool_config(config(groups=((8, 0),)), spec_mode=Mode.DFLASH, joint_kv_cache_reuse=True)
     target.pair_joint_reuse(draft)
     assert draft.draft_slot_trail_tokens == P  # the draft window is 8 + 4 = 12 tokens wide
     serve(target, 1, PREFIX + A_TAIL, draft)

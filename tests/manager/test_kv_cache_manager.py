@@ -36,7 +36,7 @@ def make_mgr(window=8, sinks=0, p=4, pages=(64, 64), draft=0, extra=0, guard=Fal
         guard_page=guard,
         kv_factor=kv_factor,
     )
-    return KVCacheManagerV2(config, max_draft_len=draft, num_extra_kv_tokens=extra)
+    return KVCacheManagerV2.from_pool_config(config, max_draft_len=draft, num_extra_kv_tokens=extra)
 
 
 def backed(capacity, history, window, sinks, p):
@@ -477,6 +477,6 @@ def test_check_accounting_catches_a_page_held_twice():
 def test_manager_rejects_negative_draft_or_extra():
     config = KVPoolConfig(layer_groups=(LayerGroupConfig(1),), pages_per_group=(4,), tokens_per_block=4)
     with pytest.raises(ValueError, match=r"max_draft_len \(-1\)"):
-        KVCacheManagerV2(config, max_draft_len=-1)
+        KVCacheManagerV2.from_pool_config(config, max_draft_len=-1)
     with pytest.raises(ValueError, match=r"num_extra_kv_tokens \(-2\)"):
-        KVCacheManagerV2(config, num_extra_kv_tokens=-2)
+        KVCacheManagerV2.from_pool_config(config, num_extra_kv_tokens=-2)

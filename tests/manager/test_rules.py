@@ -21,7 +21,12 @@ TRAILING = {Mode.DFLASH, Mode.DSPARK}
 
 
 def test_the_mode_tables_are_the_documented_ones():
-    assert len(ALL_MODES) == 7
+    # upstream's IntEnum: its 16 members in its order, so the integers an executor stores match
+    assert [m.name for m in ALL_MODES] == [
+        "MTP", "MTP_EAGLE", "MTP_EAGLE_ONE_MODEL", "EAGLE3", "EAGLE3_ONE_MODEL", "NGRAM", "SA", "DRAFT_TARGET",
+        "DRAFT_TARGET_ONE_MODEL", "USER_PROVIDED", "SAVE_HIDDEN_STATES", "PARD", "DFLASH", "DSPARK", "NONE", "AUTO",
+    ]
+    assert [int(m) for m in ALL_MODES] == list(range(1, 17))
     assert {m for m in ALL_MODES if m.is_external_drafter()} == EXTERNAL
     assert {m for m in ALL_MODES if m.keeps_trail_page()} == TRAILING
 

@@ -115,13 +115,13 @@ def test_random_shared_prefix_traffic_keeps_every_reuse_invariant(w, data):
     t_groups = (LayerGroupConfig(1, window=None), LayerGroupConfig(1, window=w["window"], sink_blocks=w["sinks"]))
     d_groups = (LayerGroupConfig(1, window=w["window"]), LayerGroupConfig(1, window=None))
     t_charge = list(request_charge(t_groups, p, chunk=chunk, max_seq_len=max_seq_len, max_draft_len=drafts, aligned=False))
-    target = KVCacheManagerV2(
+    target = KVCacheManagerV2.from_pool_config(
         KVPoolConfig(t_groups, tuple(w["tight"] * c for c in t_charge), tokens_per_block=p, head_dim=1,
                      max_seq_len=max_seq_len, enable_block_reuse=True),
         max_draft_len=drafts,
     )
     roomy = len(prompts) * (max_seq_len // p + 2)
-    draft = DraftKVCacheManagerV2(
+    draft = DraftKVCacheManagerV2.from_pool_config(
         KVPoolConfig(d_groups, (roomy, roomy), tokens_per_block=p, head_dim=1, max_seq_len=max_seq_len,
                      enable_block_reuse=True),
         spec_mode=w["mode"], max_draft_len=drafts, joint_kv_cache_reuse=w["joint"],

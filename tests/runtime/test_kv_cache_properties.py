@@ -33,7 +33,7 @@ def make_manager(guard_page=False) -> KVCacheManagerV2:
         max_seq_len=30 * P,
         guard_page=guard_page,
     )
-    return KVCacheManagerV2(config)
+    return KVCacheManagerV2.from_pool_config(config)
 
 
 def brute_backed(capacity: int, history: int, window, sinks: int, p: int = P) -> list[bool]:

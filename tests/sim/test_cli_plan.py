@@ -234,7 +234,7 @@ def test_plans_aligned_charge_is_the_simulators(capsys):
 
     s = DEFAULT_SCENARIO.setup
     code, out, err = run(
-        capsys, "plan", "--drafter", s.drafter.value, "--window", str(s.draft_window),
+        capsys, "plan", "--drafter", s.drafter.label, "--window", str(s.draft_window),
         "--tokens-per-block", str(s.tokens_per_block), "--chunk", str(s.chunk), "--max-draft-len", str(s.max_draft_len),
         "--num-extra-kv-tokens", str(s.draft_extra_tokens), "--max-seq-len", str(s.max_seq_len),
     )

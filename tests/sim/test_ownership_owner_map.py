@@ -57,7 +57,7 @@ def _config(pages=(64, 40), guard_page: bool = False) -> KVPoolConfig:
 
 
 def _manager(guard_page: bool = False, pages=(64, 40)) -> DraftKVCacheManagerV2:
-    return DraftKVCacheManagerV2(
+    return DraftKVCacheManagerV2.from_pool_config(
         _config(pages, guard_page), spec_mode=SpeculativeDecodingMode.DFLASH, max_draft_len=3
     )
 

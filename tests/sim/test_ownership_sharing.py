@@ -48,8 +48,8 @@ def _config(groups, pages: int) -> KVPoolConfig:
 
 def _pair(draft_pages: int = 64, target_pages: int = 128) -> tuple[KVCacheManagerV2, DraftKVCacheManagerV2]:
     """A target manager (full + window) and a DFlash draft manager (window + full) in joint reuse."""
-    target = KVCacheManagerV2(_config(((None, 0), (8, 0)), target_pages), max_draft_len=2)
-    draft = DraftKVCacheManagerV2(
+    target = KVCacheManagerV2.from_pool_config(_config(((None, 0), (8, 0)), target_pages), max_draft_len=2)
+    draft = DraftKVCacheManagerV2.from_pool_config(
         _config(((8, 0), (None, 0)), draft_pages), spec_mode=SpeculativeDecodingMode.DFLASH, max_draft_len=2,
         joint_kv_cache_reuse=True,
     )

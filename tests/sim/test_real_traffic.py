@@ -133,12 +133,12 @@ def _draft_mgr(windows=(64,), pages=64, mode=Mode.DFLASH, **kw) -> DraftKVCacheM
         head_dim=2,
         max_seq_len=1 << 16,
     )
-    return DraftKVCacheManagerV2(cfg, spec_mode=mode, max_draft_len=3, num_extra_kv_tokens=4, **kw)
+    return DraftKVCacheManagerV2.from_pool_config(cfg, spec_mode=mode, max_draft_len=3, num_extra_kv_tokens=4, **kw)
 
 
 @pytest.mark.parametrize("draft", [True, False])
 def test_a_generation_request_without_a_mirror_is_refused_and_nothing_is_created(draft):
-    mgr = _draft_mgr() if draft else KVCacheManagerV2(_draft_mgr().config)
+    mgr = _draft_mgr() if draft else KVCacheManagerV2.from_pool_config(_draft_mgr().config)
     known = LlmRequest(1, prompt_len=40)
     mgr.prepare_resources(ScheduledRequests(context_requests=[known]))
     stranger = LlmRequest(7, prompt_len=10_000, state=LlmRequestState.GENERATION_IN_PROGRESS)
@@ -168,7 +168,7 @@ def _live_batch(mgr):
 @pytest.mark.parametrize("draft", [True, False])
 @pytest.mark.parametrize("call", ["update_resources", "update_context_resources", "free_resources"])
 def test_every_batch_call_is_all_or_nothing_over_unknown_ids(draft, call):
-    mgr = _draft_mgr(windows=(32, None)) if draft else KVCacheManagerV2(_draft_mgr(windows=(32, None)).config)
+    mgr = _draft_mgr(windows=(32, None)) if draft else KVCacheManagerV2.from_pool_config(_draft_mgr(windows=(32, None)).config)
     a, b = _live_batch(mgr)
     stranger = LlmRequest(99, prompt_len=50, state=LlmRequestState.GENERATION_IN_PROGRESS)
     stranger.tokens.append(1)
@@ -312,8 +312,8 @@ def test_more_dummies_than_dummy_slots_are_refused_before_anything_changes():
 @pytest.mark.parametrize("sizing", ["history", "legacy"])
 def test_a_target_manager_sizes_the_same_whatever_drafter_runs(mode, sizing):
     cfg = _draft_mgr(windows=(40, None)).config
-    plain = KVCacheManagerV2(cfg, max_draft_len=3, num_extra_kv_tokens=4)
-    flagged = DraftKVCacheManagerV2(
+    plain = KVCacheManagerV2.from_pool_config(cfg, max_draft_len=3, num_extra_kv_tokens=4)
+    flagged = DraftKVCacheManagerV2.from_pool_config(
         cfg, spec_mode=mode, max_draft_len=3, num_extra_kv_tokens=4, sizing=sizing, is_draft=False
     )
     for mgr in (plain, flagged):

@@ -34,7 +34,7 @@ def make_target(window: int | None, pages: int = 256) -> TinyTarget:
         device="cpu",
         max_seq_len=8192,
     )
-    return TinyTarget(TinyTargetConfig(vocab_size=VOCAB, dim=DIM), KVCacheManagerV2(cfg))
+    return TinyTarget(TinyTargetConfig(vocab_size=VOCAB, dim=DIM), KVCacheManagerV2.from_pool_config(cfg))
 
 
 def prefill(model: TinyTarget, rid: int, tokens: torch.Tensor, *, advance_history: bool = True) -> LlmRequest:
@@ -220,4 +220,4 @@ def test_target_checks_its_pool_geometry():
         max_seq_len=1024,
     )
     with pytest.raises(ValueError, match="1 KV head"):
-        TinyTarget(TinyTargetConfig(vocab_size=VOCAB, dim=DIM), KVCacheManagerV2(cfg))
+        TinyTarget(TinyTargetConfig(vocab_size=VOCAB, dim=DIM), KVCacheManagerV2.from_pool_config(cfg))
