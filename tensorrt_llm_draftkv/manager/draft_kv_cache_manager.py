@@ -27,6 +27,7 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
 
     error_label = "Draft KV cache"
     missing_label = "draft KV cache"
+    _draft_class = True
 
     @classmethod
     def from_pool_config(
@@ -64,6 +65,7 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
         sizing: str | rules.MirrorSizing,
         trail_page: bool,
         is_draft: bool,
+        layer_slots=None,
     ) -> None:
         """The mirror policy and the trail page, then the pools (every draft constructor ends here)."""
         self.is_draft = is_draft
@@ -81,6 +83,7 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
             num_extra_kv_tokens=num_extra_kv_tokens,
             mirror_policy=self.policy if is_draft else None,
             trail_tokens=trail,
+            layer_slots=layer_slots,
         )
 
     @property

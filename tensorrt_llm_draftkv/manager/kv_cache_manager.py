@@ -6,21 +6,126 @@ history plus the space for the step's input above it (its *headroom*).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable
+from typing import Any, Iterable, List, Optional, Sequence, Union
 
+import torch
 
+from ..bindings import CacheType, DataType
 from ..config import KVPoolConfig
+from ..llmapi import KvCacheConfig
+from ..mapping import Mapping
 from ..request import LlmRequest, ScheduledRequests
 from ..runtime import KVCache, LayerGroup, LifeCycle, PagePool
-from . import dummies, export, gen_init_reuse, prefix_reuse, rules
+from . import accessors, dummies, export, gen_init_reuse, prefix_reuse, rules, upstream_geometry, upstream_init
+from .buffers import LayerSlot, check_layer, layer_buffer, sequential_layer_slots
 from .diagnostics import KVCacheResizeError, MissingKVCacheError, pool_diagnostic, resize_error
 
 
 class KVCacheManagerV2:
-    """Sizes and addresses every request's cache in one set of per-group pools."""
+    """Sizes and addresses every request's cache in one set of per-group pools.
+
+    Built as upstream builds it (the constructor below: the model's shape, a `Mapping`, an
+    LLM-API `KvCacheConfig`; `is_draft=True` with a drafter's `spec_config` makes the draft
+    manager, a `DraftKVCacheManagerV2`), or over a pool geometry of one's own with
+    `from_pool_config`.
+    """
 
     error_label = "KV cache"
     missing_label = "KV cache"  # "Missing <label> for generation request N"
+    is_draft = False
+    _draft_class = False  # the subclass that holds a mirror policy
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "KVCacheManagerV2":
+        # Upstream has one class for both sides; a draft manager here is the subclass that holds the
+        # mirror policy, so `KVCacheManagerV2(..., is_draft=True)` builds one.
+        if cls is KVCacheManagerV2 and kwargs.get("is_draft", False):
+            from .draft_kv_cache_manager import DraftKVCacheManagerV2
+
+            cls = DraftKVCacheManagerV2
+        return object.__new__(cls)
+
+    def __init__(
+        self,
+        kv_cache_config: KvCacheConfig,
+        kv_cache_type: CacheType,
+        *,
+        num_layers: int,
+        num_kv_heads: Union[int, List[Optional[int]]],
+        head_dim: Union[int, List[int]],
+        tokens_per_block: int,
+        max_seq_len: int,
+        max_batch_size: int,
+        mapping: Mapping,
+        dtype: DataType = DataType.HALF,
+        spec_config=None,
+        layer_mask: Optional[List[bool]] = None,
+        vocab_size: int = None,
+        max_num_tokens: int = 8192,
+        model_config: Optional[object] = None,
+        max_beam_width: int = 1,
+        is_draft: bool = False,
+        kv_connector_manager: Optional[object] = None,
+        execution_stream: Optional[object] = None,
+        is_disagg: bool = False,
+        enable_stats: bool = False,
+        num_reserved_index_slots: int = 1,
+        disable_overlap_scheduler: bool = False,
+        kv_events_config: Optional[object] = None,
+        is_estimating_kv_cache: bool = False,
+        cold_page_codec_provider: Optional[object] = None,
+        joint_kv_cache_reuse: bool = False,
+        max_cuda_graph_batch_size: Optional[int] = None,
+        **kwargs,
+    ) -> None:
+        """Upstream's constructor, argument for argument (docs/upstream.md lists what each does here).
+
+        Pools: `manager/upstream_geometry.py` turns the model's shape and the budget of
+        `kv_cache_config` into one pool per attention window. Drafts: `spec_config`'s
+        `max_draft_len`, and upstream's extra tokens for a one-engine drafter. Ours, as
+        keywords: `device` (default: CUDA when available), `sizing` and `trail_page` (a
+        draft manager only). Refused with ValueError: beam width > 1, a KV connector, a
+        cold-page codec, cross attention, pipeline or context parallelism.
+        """
+        options = upstream_init.check_options(
+            self.error_label, kwargs, is_draft=is_draft, max_beam_width=max_beam_width,
+            kv_connector_manager=kv_connector_manager, cold_page_codec_provider=cold_page_codec_provider,
+        )
+        drafts = upstream_init.draft_numbers(spec_config, is_draft=is_draft)
+        policy, trail = upstream_init.mirror_policy(
+            spec_config, is_draft=is_draft, joint_kv_cache_reuse=joint_kv_cache_reuse, options=options,
+            tokens_per_block=tokens_per_block,
+            windowed=any(w is not None for w in upstream_geometry.layer_windows(
+                kv_cache_config.max_attention_window, num_layers, max_seq_len)),
+        )
+        geometry = upstream_geometry.pool_geometry(
+            kv_cache_config, kv_cache_type, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            tokens_per_block=tokens_per_block, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
+            mapping=mapping, dtype=dtype, layer_mask=layer_mask, max_num_tokens=max_num_tokens,
+            max_draft_len=drafts.max_draft_len, num_extra_kv_tokens=drafts.num_extra_kv_tokens,
+            trail_tokens=trail, device=options.device, label=self.error_label,
+        )
+        self._upstream_args = upstream_init.UpstreamArgs(
+            kv_cache_config=kv_cache_config, kv_cache_type=kv_cache_type, mapping=mapping, spec_config=spec_config,
+            max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, is_disagg=is_disagg,
+            enable_stats=enable_stats, budget_bytes=geometry.budget_bytes, budget_source=geometry.budget_source,
+        )
+        if policy is None:
+            if self._draft_class:
+                raise ValueError(
+                    f"{type(self).__name__} is the draft manager: pass is_draft=True (and the drafter's spec_config), "
+                    "or build a KVCacheManagerV2 for the target side"
+                )
+            self._init_pools(
+                geometry.config, max_draft_len=drafts.max_draft_len, num_extra_kv_tokens=drafts.num_extra_kv_tokens,
+                mirror_policy=None, trail_tokens=0, layer_slots=geometry.layer_slots,
+            )
+        else:
+            self._init_draft(
+                geometry.config, spec_mode=policy.mode, max_draft_len=drafts.max_draft_len,
+                num_extra_kv_tokens=drafts.num_extra_kv_tokens, joint_kv_cache_reuse=joint_kv_cache_reuse,
+                sizing=policy.sizing, trail_page=options.trail_page, is_draft=True,
+                layer_slots=geometry.layer_slots,
+            )
 
     @classmethod
     def from_pool_config(
@@ -53,8 +158,15 @@ class KVCacheManagerV2:
         num_extra_kv_tokens: int,
         mirror_policy: rules.MirrorPolicy | None,
         trail_tokens: int,
+        layer_slots: tuple[LayerSlot, ...] | None = None,
     ) -> None:
-        """Build the pools of `config` and the empty request table (every constructor ends here)."""
+        """Build the pools of `config` and the empty request table (every constructor ends here).
+
+        `layer_slots`: model layer -> (group, layer tensor); default group 0's layers first.
+        """
+        self.layer_slots = layer_slots or sequential_layer_slots([g.num_layers for g in config.layer_groups])
+        if not hasattr(self, "_upstream_args"):
+            self._upstream_args = None
         if max_draft_len < 0 or num_extra_kv_tokens < 0:
             raise ValueError(
                 f"max_draft_len ({max_draft_len}) and num_extra_kv_tokens ({num_extra_kv_tokens}) must be >= 0"
@@ -101,6 +213,9 @@ class KVCacheManagerV2:
             for g, pages in zip(config.layer_groups, config.pages_per_group)
         ]
         self._caches: dict[int, KVCache] = {}
+        self._block_counters = accessors.BlockCounters()
+        for pool in self.distinct_pools():
+            pool.add_listener(self._block_counters)
 
     @property
     def sizing_rules(self) -> rules.StepSizing:
@@ -143,6 +258,70 @@ class KVCacheManagerV2:
             capacity=capacity,
             history=history,
             diagnostic=self.pool_diagnostic(),
+        )
+
+    # -- upstream's accessors (pure parts in manager/accessors.py) ----------------
+    def get_buffers(self, layer_idx: int, kv_layout: str = "NHD") -> Optional[torch.Tensor]:
+        """Layer `layer_idx`'s pool storage, zero-copy: `[pages, kv_factor, P, heads, head_dim]` (NHD) or
+        `[pages, kv_factor, heads, P, head_dim]` (HND). Page indices are the block table's; writes
+        through the view are what every reader of the pool sees."""
+        slot = check_layer(layer_idx, self.layer_slots, self.error_label)
+        return layer_buffer(self.layer_groups[slot.group].pool.layers[slot.index], kv_layout)
+
+    @property
+    def num_local_layers(self) -> int:
+        return len(self.layer_slots)
+
+    def get_num_free_blocks(self) -> int:
+        """Free pages of the tightest pool (upstream returns one number for one pool). Unlike
+        upstream's, callable at any time, not only while the manager is empty."""
+        return min(self.free_pages())
+
+    def get_kv_cache_stats(self) -> accessors.KvCacheStats:
+        """Pages in use and free (per window too), hand-outs and reuse hits so far (see `KvCacheStats`)."""
+        pools = self.pools()
+        # every page's storage over all its layers (K and V): what the pools allocated
+        allocated = sum(p.total * sum(layer[0].numel() * layer.element_size() for layer in p.layers)
+                        for p in self.distinct_pools())
+        return accessors.kv_cache_stats(
+            pools, self.windows, tokens_per_block=self.tokens_per_block, max_seq_len=self.config.max_seq_len,
+            counters=self._block_counters, allocated_bytes=allocated,
+        )
+
+    def get_batch_cache_indices(
+        self,
+        request_ids: List[int],
+        layer_idx: Optional[int] = None,
+        num_blocks_per_seq: Optional[Sequence[int]] = None,
+        *,
+        raw_indices: bool = False,
+    ) -> List[List[int]]:
+        """Per request, the pages of the pool holding `layer_idx` (pool 0 by default) by block ordinal,
+        -1 where a window released the entry; `raw_indices=True` gives the block offsets of K instead
+        (page * kv_factor, as `get_block_offsets`). KeyError-like `MissingKVCacheError` for an unknown id."""
+        group = 0 if layer_idx is None else check_layer(layer_idx, self.layer_slots, self.error_label).group
+        ids = list(request_ids)
+        self._require_caches(ids, "get_batch_cache_indices")
+        rows = [self._caches[rid].block_row(group) for rid in ids]
+        return accessors.cache_indices(rows, num_blocks_per_seq, scale=self.config.kv_factor if raw_indices else 1)
+
+    def get_block_ids_per_seq(self, request_ids: List[int]) -> torch.Tensor:
+        """int32 `[B, widest row]` pages of pool 0, 0 for released entries and padding (upstream's layout)."""
+        ids = list(request_ids)
+        self._require_caches(ids, "get_block_ids_per_seq")
+        return accessors.block_ids_per_seq([self._caches[rid].block_row(0) for rid in ids])
+
+    def get_num_available_tokens(
+        self, *, token_num_upper_bound: int, batch_size: int = 1, max_num_draft_tokens: int = 0
+    ) -> int:
+        """Tokens each of `batch_size` new requests could hold now, at most `token_num_upper_bound`,
+        leaving room for the extra tokens and `max_num_draft_tokens` drafts."""
+        args = self._upstream_args
+        return accessors.available_tokens(
+            self.free_pages(), self.windows, tokens_per_block=self.tokens_per_block,
+            token_num_upper_bound=token_num_upper_bound, batch_size=batch_size,
+            extra_tokens=self.num_extra_kv_tokens + max_num_draft_tokens,
+            max_tokens=None if args is None else args.kv_cache_config.max_tokens,
         )
 
     # -- queries ----------------------------------------------------------------
