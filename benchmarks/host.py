@@ -73,7 +73,7 @@ def _generation_requests(mgr, batch: int, prompt: int) -> list[LlmRequest]:
     for rid in range(batch):
         req = LlmRequest(rid, prompt_len=prompt, state=LlmRequestState.DISAGG_GENERATION_INIT)
         req.tokens.append(1)
-        mgr.prepare_disagg_gen_init(req)
+        assert mgr.prepare_disagg_gen_init(req)
         req.state = LlmRequestState.GENERATION_IN_PROGRESS
         reqs.append(req)
     return reqs

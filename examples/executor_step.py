@@ -217,8 +217,8 @@ def main() -> None:
         1, prompt_len=m, tokens=prompt + random_tokens(1), state=LlmRequestState.DISAGG_GENERATION_INIT,
         max_new_tokens=NEW_TOKENS,
     )
-    target.prepare_disagg_gen_init(other)
-    draft.prepare_disagg_gen_init(other)
+    assert target.prepare_disagg_gen_init(other)
+    assert draft.prepare_disagg_gen_init(other)
     # The received target K/V: [m + 1 - WINDOW, m) in the windowed layers, all of [0, m) in the others.
     target_forward(other, 0, m)
     other.state = LlmRequestState.GENERATION_IN_PROGRESS  # the transfer is complete: it decodes now

@@ -46,8 +46,8 @@ class LlmRequest:
     is_dummy: bool = False
     max_new_tokens: int = 1 << 30
     #: Prompt tokens whose K/V a prefix hit supplied (a whole number of pages from
-    #: position 0): the executor computes the prompt from here on.
-    reused_tokens: int = 0
+    #: position 0): the executor computes the prompt from here on (upstream's name).
+    prepopulated_prompt_len: int = 0
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -134,21 +134,20 @@ class LlmRequest:
         remaining = self.prompt_len - view.position
         view.chunk_size = remaining if next_chunk is None else min(next_chunk, remaining)
 
-    def skip_reused_prefix(self, tokens: int) -> None:
-        """A prefix hit: positions `[0, tokens)` are reused, so the target view's first chunk starts at
-        `tokens` (same chunk size, clipped to the prompt). ValueError, changing nothing, unless the view
-        is still at position 0 and at least one prompt token is left to compute."""
-        if not 0 <= tokens < self.prompt_len or self.target_view.position != 0:
+    def get_tokens(self, beam: int = 0) -> list[int]:
+        """Prompt and generated token ids (upstream's accessor; one beam here)."""
+        if beam != 0:
+            raise ValueError(f"request {self.py_request_id}: one beam here, asked for beam {beam}")
+        return self.tokens
+
+    def set_prepopulated_prompt_len(self, prepopulated_prompt_len: int, kv_tokens_per_block: int) -> None:
+        """Upstream's setter: `[0, prepopulated_prompt_len)` came from a prefix hit (whole pages)."""
+        if prepopulated_prompt_len % kv_tokens_per_block or not 0 <= prepopulated_prompt_len < max(self.prompt_len, 1):
             raise ValueError(
-                f"request {self.py_request_id}: cannot skip {tokens} reused tokens of a {self.prompt_len}-token "
-                f"prompt with the target view at position {self.target_view.position} (needs 0 <= tokens < "
-                "prompt and the view at 0)"
+                f"request {self.py_request_id}: a prefix hit of {prepopulated_prompt_len} tokens must be whole "
+                f"{kv_tokens_per_block}-token pages below the {self.prompt_len}-token prompt"
             )
-        remaining = self.prompt_len - tokens
-        chunk = self.target_view.chunk_size
-        self.target_view.position = tokens
-        self.target_view.chunk_size = remaining if chunk <= 0 else min(chunk, remaining)
-        self.reused_tokens = tokens
+        self.prepopulated_prompt_len = prepopulated_prompt_len
 
     def sync_draft_view(self) -> None:
         """A drafter that runs with the target (MTP, Eagle3) keeps its view in step."""
@@ -171,7 +170,7 @@ class ScheduledRequests:
 
 
 @contextlib.contextmanager
-def request_context(is_draft: bool, batch: ScheduledRequests) -> Iterator[ScheduledRequests]:
+def request_context(is_draft: bool, scheduled_requests: ScheduledRequests) -> Iterator[ScheduledRequests]:
     """Within the block, every request of `batch` presents its draft view if `is_draft`, else its target view.
 
     What switches is the (position, chunk) view the request's context properties
@@ -181,11 +180,68 @@ def request_context(is_draft: bool, batch: ScheduledRequests) -> Iterator[Schedu
     exception, puts every request's `use_draft_model` back as it was (blocks nest).
     Unlike upstream, `is_draft=False` is not a no-op: it forces the target view.
     """
-    saved = [(req, req.use_draft_model) for req in batch.all_requests()]
+    saved = [(req, getattr(req, "use_draft_model", False)) for req in scheduled_requests.all_requests()]
     try:
         for req, _ in saved:
             req.use_draft_model = bool(is_draft)
-        yield batch
+        yield scheduled_requests
     finally:
         for req, flag in saved:
             req.use_draft_model = flag
+
+
+# -- the protocol the managers read -----------------------------------------------------------
+# The managers read a request only through upstream LlmRequest's attributes, so an executor's own
+# request objects work unchanged: `py_request_id`, `prompt_len`, `context_current_position` and
+# `context_chunk_size` (switched by `use_draft_model`), `max_beam_num_tokens`, `py_draft_tokens`,
+# `get_tokens(0)`, `prepopulated_prompt_len` / `set_prepopulated_prompt_len`, the state predicates,
+# `is_dummy`. These helpers are the only places that read more than one of them.
+@contextlib.contextmanager
+def _target_side(req) -> Iterator[None]:
+    """Within the block the request presents its target view, whatever `use_draft_model` says."""
+    flag = getattr(req, "use_draft_model", False)
+    if flag:
+        req.use_draft_model = False
+    try:
+        yield
+    finally:
+        if flag:
+            req.use_draft_model = flag
+
+
+def target_view(req) -> ContextView:
+    """The request's target (position, chunk): what the executor's own prefill advances."""
+    with _target_side(req):
+        return ContextView(req.context_current_position, req.context_chunk_size)
+
+
+def set_target_view(req, position: int, chunk: int) -> None:
+    """Move the target view (a prefix hit, or putting one back)."""
+    with _target_side(req):
+        req.context_current_position = position
+        req.context_chunk_size = chunk
+
+
+def reused_prefix(req) -> int:
+    """Prompt tokens a prefix hit supplied (0 without one)."""
+    return int(getattr(req, "prepopulated_prompt_len", 0) or 0)
+
+
+def generated_tokens(req) -> int:
+    """Tokens the request holds past its prompt."""
+    return req.max_beam_num_tokens - req.prompt_len
+
+
+def skip_reused_prefix(req, tokens: int, tokens_per_block: int) -> None:
+    """A prefix hit: `[0, tokens)` is reused, so the target view's first chunk starts at `tokens` (same
+    chunk size, clipped to the prompt). ValueError, changing nothing, unless the view is still at
+    position 0 and at least one prompt token is left to compute."""
+    view = target_view(req)
+    if not 0 <= tokens < req.prompt_len or view.position != 0:
+        raise ValueError(
+            f"request {req.py_request_id}: cannot skip {tokens} reused tokens of a {req.prompt_len}-token "
+            f"prompt with the target view at position {view.position} (needs 0 <= tokens < prompt and the view at 0)"
+        )
+    remaining = req.prompt_len - tokens
+    req.set_prepopulated_prompt_len(tokens, tokens_per_block)
+    set_target_view(req, tokens, remaining if view.chunk_size <= 0 else min(view.chunk_size, remaining))

@@ -18,6 +18,16 @@ SMALL = replace(
 )
 
 
+def strict(manager, result):
+    """Upstream's calls answer a refusal with False (`prepare_disagg_gen_init`) or None
+    (`add_dummy_requests`); this raises the manager's explicit `last_refusal` instead, so a test
+    can match its message. Anything else passes through."""
+    if result is False or result is None:
+        assert manager.last_refusal is not None, "refused without saying why"
+        raise manager.last_refusal
+    return result
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 

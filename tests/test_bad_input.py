@@ -139,8 +139,12 @@ def test_unknown_request_id_free():
     before = full_state(mgr)
     with pytest.raises(KeyError, match=r"cannot free request 4242"):
         mgr.free_resources(4242)
-    with pytest.raises(KeyError, match=r"request 77"):
-        mgr.free_resources(LlmRequest(77, prompt_len=3))
+    with pytest.raises(KeyError, match=r"cannot free request 77: .*; nothing was freed"):
+        mgr.free_resources([1, 77])  # a list of ids is strict, all or nothing
+    assert_same(full_state(mgr), before)
+    # A request object, as upstream: the draft manager sees requests it never mirrored, so freeing
+    # one that holds nothing here is a no-op (and the others keep their pages).
+    mgr.free_resources(LlmRequest(77, prompt_len=3))
     assert_same(full_state(mgr), before)
 
 
@@ -162,13 +166,15 @@ def test_unknown_request_id_get_block_offsets(backend):
     assert_same(full_state(mgr), before)
 
 
-def test_unknown_request_id_update_context_resources():
+def test_updates_skip_a_request_without_a_cache_as_upstream_does():
     mgr, gen, ctx = live_mgr()
     stranger = LlmRequest(99, prompt_len=8)
     before = full_state(mgr)
-    with pytest.raises(KeyError, match=r"request 99"):
-        mgr.update_context_resources(ScheduledRequests(context_requests=[stranger]))
+    mgr.update_context_resources(ScheduledRequests(context_requests=[stranger]))
+    stranger.tokens.append(5)  # a generated token: update_resources would size it, had it a cache
+    mgr.update_resources(ScheduledRequests(generation_requests=[stranger]))
     assert_same(full_state(mgr), before)
+    assert not mgr.has_cache(99)
 
 
 # -- double free ----------------------------------------------------------------------------------------------------
@@ -178,7 +184,9 @@ def test_double_free():
     mgr.check_accounting()
     before = full_state(mgr)
     with pytest.raises(KeyError, match=r"cannot free request 1: it holds no cache \(never added, or already freed\)"):
-        mgr.free_resources(gen)
+        mgr.free_resources(gen.py_request_id)  # by id: strict
+    assert_same(full_state(mgr), before)
+    mgr.free_resources(gen)  # the request object again: upstream's no-op, nothing freed twice
     assert_same(full_state(mgr), before)
 
 

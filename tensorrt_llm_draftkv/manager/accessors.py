@@ -38,43 +38,30 @@ class KvCacheStats:
     allocated_bytes: int = 0
 
 
-@dataclass
-class BlockCounters:
-    """Pages handed out over a manager's life: new (allocated) and reused (shared from a prefix hit)."""
-
-    new: int = 0
-    reused: int = 0
-
-    def __call__(self, event: str, pages: list[int], owner: object) -> None:
-        """A pool listener (`PagePool.add_listener`)."""
-        if event in ("allocate", "take"):
-            self.new += len(pages)
-        elif event == "share":
-            self.reused += len(pages)
-
-
 def kv_cache_stats(
     pools: Sequence[PagePool], windows: Sequence[int | None], *, tokens_per_block: int, max_seq_len: int,
-    counters: BlockCounters, allocated_bytes: int,
+    allocated_bytes: int,
 ) -> KvCacheStats:
-    """The stats of these pools (see `KvCacheStats`)."""
+    """The stats of these pools, one per layer group (see `KvCacheStats`)."""
     total = sum(p.total for p in pools)
     free = sum(p.num_free for p in pools)
     per_window: dict[int, int] = {}
     for pool, window in zip(pools, windows):
         key = max_seq_len if window is None else window
         per_window[key] = per_window.get(key, 0) + pool.num_free
-    handed = counters.new + counters.reused
+    new = sum(p.pages_handed_out for p in pools)
+    reused = sum(p.pages_reused for p in pools)
+    handed = new + reused
     return KvCacheStats(
         max_num_blocks=total,
         free_num_blocks=free,
         used_num_blocks=total - free,
         tokens_per_block=tokens_per_block,
         alloc_total_blocks=handed,
-        alloc_new_blocks=counters.new,
-        reused_blocks=counters.reused,
-        missed_blocks=counters.new,
-        cache_hit_rate=counters.reused / handed if handed else 0.0,
+        alloc_new_blocks=new,
+        reused_blocks=reused,
+        missed_blocks=new,
+        cache_hit_rate=reused / handed if handed else 0.0,
         num_free_blocks_per_window_size=per_window,
         allocated_bytes=allocated_bytes,
     )

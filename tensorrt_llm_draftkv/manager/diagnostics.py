@@ -59,11 +59,28 @@ def resize_error(
     capacity: int,
     history: int | None,
     diagnostic: str,
+    step: str = "",
 ) -> KVCacheResizeError:
-    """`<label> <phase> resize failed for request N: could not resize to C tokens ...`."""
+    """`<label> <phase> resize failed for request N: could not resize to C tokens ...`; `step` says
+    which step asked (a context chunk's range, and a hint when it is the whole prompt)."""
     hist = "unchanged" if history is None else str(history)
     message = (
         f"{label} {phase} resize failed for request {request_id}: could not resize to {capacity} tokens "
-        f"(history {hist})\n{diagnostic}"
+        f"(history {hist})\n{step + chr(10) if step else ''}{diagnostic}"
     )
     return KVCacheResizeError(message, request_id=request_id, phase=phase, capacity=capacity, history=history)
+
+
+def context_step(start: int, chunk: int, prompt_len: int, *, draft_view: bool) -> str:
+    """The line saying what a context resize was for, with the way out when the chunk is the whole
+    prompt. `draft_view`: the sizes came from the request's draft view (only a separate draft engine
+    advances it, so chunking the prefill does not change them)."""
+    view = "draft view" if draft_view else "target view"
+    text = f"  for the context chunk [{start}, {start + chunk}) of a {prompt_len}-token prompt ({view})"
+    if start == 0 and chunk >= prompt_len > 1:
+        if draft_view:
+            text += ": the draft view presents the whole prompt as one chunk (the pre-fix sizing of a drafter in the target's engine)"
+        else:
+            text += (": the whole prompt as one chunk; set the request's context_chunk_size to prefill it in "
+                     "chunks (chunked prefill), or give the pool more pages")
+    return text

@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Sequence
 
 from ..config import KVPoolConfig, SpeculativeDecodingMode
-from ..request import LlmRequest, ScheduledRequests, request_context
+from ..request import LlmRequest, ScheduledRequests, request_context, target_view
 from . import admission, rules
 from .kv_cache_manager import KVCacheManagerV2
 
@@ -99,16 +99,40 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
         """`request_context(True, batch)`, as upstream's `_prepare_draft_resources`; none for a target one."""
         return request_context(True, batch) if self.is_draft else contextlib.nullcontext(batch)
 
-    def prepare_resources(self, batch: ScheduledRequests) -> None:
-        with self._draft_request_context(batch):
-            super().prepare_resources(batch)
+    def prepare_resources(self, scheduled_batch: ScheduledRequests) -> None:
+        with self._draft_request_context(scheduled_batch):
+            super().prepare_resources(scheduled_batch)
 
-    def update_context_resources(self, batch: ScheduledRequests) -> None:
-        with self._draft_request_context(batch):
-            super().update_context_resources(batch)
+    def update_context_resources(self, scheduled_batch: ScheduledRequests) -> None:
+        with self._draft_request_context(scheduled_batch):
+            super().update_context_resources(scheduled_batch)
 
     prepare_resources.__doc__ = KVCacheManagerV2.prepare_resources.__doc__
     update_context_resources.__doc__ = KVCacheManagerV2.update_context_resources.__doc__
+
+    # -- the V2 scheduler's draft call ---------------------------------------------------
+    def try_allocate_draft_context(self, req: LlmRequest, num_tokens: int) -> bool:
+        """Room in the mirror for the next `num_tokens` prompt tokens, sized as `prepare_resources`
+        sizes a context chunk (the fix's view and history). Creates the mirror if it is new. False
+        when the pool cannot: a new mirror is dropped, an existing one left as it was
+        (`last_refusal` says why)."""
+        if not self.is_draft:
+            raise ValueError(f"{self.error_label}: try_allocate_draft_context is a draft manager's call")
+        if num_tokens < 0:
+            raise ValueError(f"{self.error_label}: request {req.py_request_id}: num_tokens must be >= 0, got {num_tokens}")
+        rid = req.py_request_id
+        fresh = rid not in self._caches
+        if fresh:
+            self._caches[rid] = self._new_cache(rid)
+        elif not self.resume_request(req):
+            return False
+        with self._draft_request_context(ScheduledRequests(context_requests=[req])):
+            capacity, history = self.sizing_rules.context(req, self._caches[rid], chunk=num_tokens)
+        if self._grow_or_refuse(req, "context", capacity, history):
+            return True
+        if fresh:
+            self._caches.pop(rid).free()
+        return False
 
     # -- admission -------------------------------------------------------------------
     def admit_mirror(self, req: LlmRequest) -> bool:
@@ -167,7 +191,7 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
             charged=self.pages_per_request_charge(chunk) if charge is None else tuple(charge),
             prompt_len=req.prompt_len,
             chunk=chunk,
-            start=0 if disagg else req.target_view.position,
+            start=0 if disagg else target_view(req).position,
             max_draft_len=self.max_draft_len,
             num_extra_kv_tokens=self.num_extra_kv_tokens,
             disagg_generation_init=disagg,

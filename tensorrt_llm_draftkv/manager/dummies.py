@@ -1,7 +1,6 @@
-"""CUDA-graph warmup dummies, in upstream TensorRT-LLM's call shape.
+"""CUDA-graph warmup dummies: what `KVCacheManagerV2.add_dummy_requests` adds.
 
 Positions are absolute: a dummy of n tokens sits at position n - 1.
-`add_dummy_requests` is a `KVCacheManagerV2` method (hence `self`), kept here.
 """
 from __future__ import annotations
 
@@ -13,49 +12,39 @@ if TYPE_CHECKING:
     from .kv_cache_manager import KVCacheManagerV2
 
 
-def add_dummy_requests(
+def add_dummies(
     self: KVCacheManagerV2,
     request_ids: Iterable[int],
-    token_nums: Iterable[int] | None = None,
-    is_gen: bool = False,
-    prepare_resource: bool = True,
-    max_num_draft_tokens: int = 0,
-    use_mrope: bool = False,
-    max_beam_width: int = 1,
-    num_extra_decoding_steps: int = 0,
-    draft_kv_cache_manager: "KVCacheManagerV2 | None" = None,
+    token_nums: Iterable[int] | None,
     *,
-    history_hint: int | None = None,
+    is_gen: bool,
+    materialize_history: bool,
+    prepare_resource: bool,
+    max_num_draft_tokens: int,
+    kv_reserve_draft_tokens: int | None,
+    max_beam_width: int,
+    encoder_output_lens: list[int] | None,
+    draft_kv_cache_manager: "KVCacheManagerV2 | None",
+    num_extra_decoding_steps: int,
+    history_hint: int | None,
 ) -> list[LlmRequest]:
-    """CUDA-graph warmup dummies, in upstream TensorRT-LLM's positional order.
+    """The dummies of `KVCacheManagerV2.add_dummy_requests`; a pool too small raises
+    `KVCacheResizeError` (nothing added, in either manager), a bad argument ValueError.
 
-    Dummy i holds `token_nums[i]` tokens (default `1 + max_num_draft_tokens`, as
-    upstream) and room above them for `max_num_draft_tokens` drafts, this
-    self's `num_extra_kv_tokens` and `num_extra_decoding_steps` (the extra
-    autoregressive steps of a capturable drafting loop). `is_gen` (default False,
-    as upstream) makes them generation requests, with `py_draft_tokens` of
-    `max_num_draft_tokens` placeholders; `history_hint` lets a windowed pool back
-    only the window (a generation dummy's history is the hint clamped to its
-    own position, `tokens - 1`). `prepare_resource=False` builds the requests
-    and reserves nothing, in either self.
-
-    `draft_kv_cache_manager`: the same dummies (ids, token counts, `is_gen`,
-    drafts) are added there too, sized by that self (its own extra tokens;
-    the hint through its own `_dummy_history` rule; no extra decoding steps,
-    as upstream). All or nothing across both managers: if either side fails,
-    neither keeps a dummy and both pools' free lists are as they were.
-
-    Differences from upstream: `use_mrope` is accepted and ignored (no
-    multimodal positions here); `max_beam_width` must be 1 (no beam search
-    here: ValueError otherwise); a dummy that does not fit raises
-    `KVCacheResizeError` (nothing added) instead of returning None.
+    Dummy i holds `token_nums[i]` tokens (default `1 + max_num_draft_tokens`) and room above them
+    for `kv_reserve_draft_tokens` drafts (default `max_num_draft_tokens`), the manager's extra
+    tokens and `num_extra_decoding_steps`. History: a generation dummy's is its own position,
+    `tokens - 1`, so a windowed pool backs only the window (`materialize_history=True`: none, the
+    whole history backed); `history_hint` sets it for every dummy (clamped to `tokens - 1` for a
+    generation dummy, whose drafter slot is seeded there). A legacy mirror drops the history.
     """
     request_ids = list(request_ids)
     token_nums = [1 + max_num_draft_tokens] * len(request_ids) if token_nums is None else list(token_nums)
-    _check_dummies(
-        self, request_ids, token_nums, max_num_draft_tokens, max_beam_width, num_extra_decoding_steps,
-        draft_kv_cache_manager,
-    )
+    reserve = max_num_draft_tokens if kv_reserve_draft_tokens is None else kv_reserve_draft_tokens
+    if encoder_output_lens is not None:
+        raise ValueError(f"{self.error_label}: no cross attention here (encoder_output_lens must be None)")
+    _check_dummies(self, request_ids, token_nums, max(max_num_draft_tokens, reserve), max_beam_width,
+                   num_extra_decoding_steps, draft_kv_cache_manager)
     made: list[LlmRequest] = []
     for rid, tokens in zip(request_ids, token_nums):
         req = LlmRequest(rid, prompt_len=tokens, is_dummy=True)
@@ -66,28 +55,34 @@ def add_dummy_requests(
     if not prepare_resource:
         return made
     with self._batch_transaction(request_ids):
-        hint = self.sizing_rules.dummy_history(history_hint)
         for req, tokens in zip(made, token_nums):
-            capacity = tokens + max_num_draft_tokens + self.num_extra_kv_tokens + num_extra_decoding_steps
-            # A generation dummy's next token sits at tokens - 1: more history than
-            # that would release pages its drafter slot, seeded there, still reads.
-            history = None if hint is None else min(hint, tokens - 1 if is_gen else capacity)
+            capacity = tokens + reserve + self.num_extra_kv_tokens + num_extra_decoding_steps
+            history = _dummy_history(self, tokens, capacity, is_gen, materialize_history, history_hint)
             self._resize_or_raise(req, "dummy", lambda r, c, cap=capacity, h=history: (cap, h))
         if draft_kv_cache_manager is not None:
-            # Raising here unwinds this self's dummies too (the transaction above).
-            draft_kv_cache_manager.add_dummy_requests(
-                request_ids,
-                token_nums,
-                is_gen,
-                True,
-                max_num_draft_tokens,
-                use_mrope,
-                max_beam_width,
-                0,
-                None,
+            # Raising here unwinds this manager's dummies too (the transaction above).
+            add_dummies(
+                draft_kv_cache_manager, request_ids, token_nums, is_gen=is_gen, materialize_history=materialize_history,
+                prepare_resource=True, max_num_draft_tokens=max_num_draft_tokens,
+                kv_reserve_draft_tokens=kv_reserve_draft_tokens, max_beam_width=max_beam_width,
+                encoder_output_lens=None, draft_kv_cache_manager=None, num_extra_decoding_steps=0,
                 history_hint=history_hint,
             )
     return made
+
+
+def _dummy_history(
+    manager: KVCacheManagerV2, tokens: int, capacity: int, is_gen: bool, materialize: bool, hint: int | None
+) -> int | None:
+    """A dummy's history (see `add_dummies`), through the manager's dummy rule (legacy drops it)."""
+    if hint is None and is_gen and not materialize:
+        hint = tokens - 1  # upstream derives it: the dummy's next token sits there
+    hint = manager.sizing_rules.dummy_history(hint)
+    if hint is None:
+        return None
+    # More history than its own position would release pages a generation dummy's drafter slot,
+    # seeded there, still reads.
+    return min(hint, tokens - 1 if is_gen else capacity)
 
 
 def _check_dummies(

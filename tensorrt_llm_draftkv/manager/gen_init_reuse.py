@@ -105,8 +105,8 @@ def _check_reuse_arguments(self: KVCacheManagerV2, req: LlmRequest, tokens: int)
         )
     if not self.block_reuse:
         raise ValueError(f"{self.error_label}: request {rid} reuses {tokens} tokens but this pool has no block reuse")
-    if len(req.tokens) < tokens:
-        raise ValueError(f"{self.error_label}: request {rid} carries {len(req.tokens)} token ids, fewer than its hit {tokens}")
+    if len(req.get_tokens(0)) < tokens:
+        raise ValueError(f"{self.error_label}: request {rid} carries {len(req.get_tokens(0))} token ids, fewer than its hit {tokens}")
 
 
 def _missing_error(self: KVCacheManagerV2, req: LlmRequest, tokens: int):
@@ -168,6 +168,6 @@ def publish_gen_init(self: KVCacheManagerV2, req: LlmRequest, *, written_from: i
     ]
     pools = self.distinct_pools()
     before = sum(pool.prefix.num_published for pool in pools)
-    cache.commit(m, req.tokens, first_ordinals=first)
+    cache.commit(m, req.get_tokens(0), first_ordinals=first)
     return sum(pool.prefix.num_published for pool in pools) - before
 

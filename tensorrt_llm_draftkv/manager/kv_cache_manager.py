@@ -14,11 +14,12 @@ from ..bindings import CacheType, DataType
 from ..config import KVPoolConfig
 from ..llmapi import KvCacheConfig
 from ..mapping import Mapping
-from ..request import LlmRequest, ScheduledRequests
+from ..request import (LlmRequest, ScheduledRequests, generated_tokens, reused_prefix, set_target_view,
+                       skip_reused_prefix, target_view)
 from ..runtime import KVCache, LayerGroup, LifeCycle, PagePool
 from . import accessors, dummies, export, gen_init_reuse, prefix_reuse, rules, upstream_geometry, upstream_init
 from .buffers import LayerSlot, check_layer, layer_buffer, sequential_layer_slots
-from .diagnostics import KVCacheResizeError, MissingKVCacheError, pool_diagnostic, resize_error
+from .diagnostics import KVCacheResizeError, MissingKVCacheError, context_step, pool_diagnostic, resize_error
 
 
 class KVCacheManagerV2:
@@ -213,9 +214,13 @@ class KVCacheManagerV2:
             for g, pages in zip(config.layer_groups, config.pages_per_group)
         ]
         self._caches: dict[int, KVCache] = {}
-        self._block_counters = accessors.BlockCounters()
-        for pool in self.distinct_pools():
-            pool.add_listener(self._block_counters)
+        # The V2 scheduler's state: suspended caches (kept, not grown) and each generation
+        # step's reserved draft slots (`try_allocate_generation`).
+        self._suspended: set[int] = set()
+        self._allocated_draft_lens: dict[int, int] = {}
+        self._capacity_before: dict[int, int] = {}  # a step's growth, for the reverts
+        #: The explicit error behind the last False of a call that answers False (upstream's convention).
+        self.last_refusal: KVCacheResizeError | None = None
 
     @property
     def sizing_rules(self) -> rules.StepSizing:
@@ -244,7 +249,9 @@ class KVCacheManagerV2:
         """Does this cache read the request's draft view (upstream's name)? Never for a target cache."""
         return self.sizing_rules.reads_draft_view
 
-    def _mirror_resize_error(self, req_id: int, phase: str, capacity: int, history: int | None) -> KVCacheResizeError:
+    def _mirror_resize_error(
+        self, req_id: int, phase: str, capacity: int, history: int | None, step: str = ""
+    ) -> KVCacheResizeError:
         """The one place resize errors (context, generation, dummy) are built, named as upstream.
 
         `<label> <phase> resize failed for request N: could not resize to C tokens
@@ -258,6 +265,7 @@ class KVCacheManagerV2:
             capacity=capacity,
             history=history,
             diagnostic=self.pool_diagnostic(),
+            step=step,
         )
 
     # -- upstream's accessors (pure parts in manager/accessors.py) ----------------
@@ -285,7 +293,7 @@ class KVCacheManagerV2:
                         for p in self.distinct_pools())
         return accessors.kv_cache_stats(
             pools, self.windows, tokens_per_block=self.tokens_per_block, max_seq_len=self.config.max_seq_len,
-            counters=self._block_counters, allocated_bytes=allocated,
+            allocated_bytes=allocated,
         )
 
     def get_batch_cache_indices(
@@ -391,7 +399,12 @@ class KVCacheManagerV2:
             if fresh:
                 # A fresh cache that got nothing is dropped: no silent half-admitted request.
                 del self._caches[req.py_request_id]
-            raise self._mirror_resize_error(req.py_request_id, phase, capacity, history)
+            step = ""
+            if phase == "context":
+                view = self.sizing_rules.view(req)
+                step = context_step(view.position, view.chunk_size, req.prompt_len,
+                                    draft_view=self.sizing_rules.reads_draft_view)
+            raise self._mirror_resize_error(req.py_request_id, phase, capacity, history, step)
 
     def _missing(self, request_ids: Iterable[int]) -> list[int]:
         return [rid for rid in request_ids if rid not in self._caches]
@@ -447,8 +460,11 @@ class KVCacheManagerV2:
             for pool in pools:
                 pool.end_journal()
 
-    def prepare_resources(self, batch: ScheduledRequests) -> None:
+    def prepare_resources(self, scheduled_batch: ScheduledRequests) -> None:
         """Size every request's cache for this step (context chunk or generation step).
+
+        A cache the V2 scheduler already sized (`resize_context`, `try_allocate_generation`)
+        is left as it is: the rules give the same capacity.
 
         A generation request must already hold a cache (from its context
         chunks, `prepare_disagg_gen_init` or `add_dummy_requests`); one that does
@@ -456,6 +472,7 @@ class KVCacheManagerV2:
         All or nothing: if one request cannot be sized, every request of the
         batch is put back as it was (fresh caches dropped) and the error raised.
         """
+        batch = scheduled_batch
         missing = self._missing(r.py_request_id for r in batch.generation_requests)
         if missing:
             raise MissingKVCacheError(
@@ -465,17 +482,24 @@ class KVCacheManagerV2:
                 request_ids=missing,
             )
         self._check_unique(batch)
+        suspended = [r.py_request_id for r in batch.all_requests() if r.py_request_id in self._suspended]
+        if suspended:
+            raise ValueError(
+                f"{self.error_label}: requests {suspended} are suspended; resume_request before scheduling them"
+            )
         steps = [(r, "context", self.sizing_rules.context) for r in batch.context_requests]
         steps += [(r, "generation", self.sizing_rules.generation) for r in batch.generation_requests]
-        views = [(r, r.target_view.position, r.target_view.chunk_size, r.reused_tokens) for r in batch.context_requests]
+        views = [(r, target_view(r), reused_prefix(r)) for r in batch.context_requests]
         try:
             with self._batch_transaction(r.py_request_id for r, _, _ in steps):
                 prefix_reuse.reuse_prefixes(self, batch.context_requests)  # pins every hit before any growth
                 for req, phase, sizing in steps:
                     self._resize_or_raise(req, phase, sizing)
         except BaseException:
-            for req, position, chunk, reused in views:  # a prefix hit moved the view: put it back
-                req.target_view.position, req.target_view.chunk_size, req.reused_tokens = position, chunk, reused
+            for req, view, reused in views:  # a prefix hit moved the view: put it back
+                set_target_view(req, view.position, view.chunk_size)
+                if reused_prefix(req) != reused:
+                    req.prepopulated_prompt_len = reused
             raise
 
     def _check_unique(self, batch: ScheduledRequests) -> None:
@@ -484,31 +508,55 @@ class KVCacheManagerV2:
             dup = sorted({i for i in ids if ids.count(i) > 1})
             raise ValueError(f"{self.error_label}: requests {dup} appear more than once in one batch")
 
-    def update_context_resources(self, batch: ScheduledRequests) -> None:
+    def update_context_resources(self, scheduled_batch: ScheduledRequests) -> None:
         """After the executor advanced each context view: history follows its position.
 
-        All or nothing over the batch: an unknown id raises before any cache changes.
+        As upstream, a request with no cache here or a suspended one is skipped. All or
+        nothing over the rest of the batch.
         """
-        self._require_caches((r.py_request_id for r in batch.context_requests), "update_context_resources")
-        with self._batch_transaction(r.py_request_id for r in batch.context_requests):
-            for req in batch.context_requests:
+        reqs = [r for r in scheduled_batch.context_requests if self.is_request_active(r.py_request_id)]
+        with self._batch_transaction(r.py_request_id for r in reqs):
+            for req in reqs:
                 cache = self._caches[req.py_request_id]
                 position = self.sizing_rules.view(req).position
                 if position > cache.history_length:
                     cache.resize(max(cache.capacity, position), position)
                 if self.block_reuse and not req.is_dummy:  # a dummy's placeholder K/V is never published
                     prefix_reuse.publish_history(self, req, position)
+        for req in reqs:
+            self._capacity_before.pop(req.py_request_id, None)
 
-    # A generation worker's new request, with an optional prefix hit (manager/gen_init_reuse.py).
-    prepare_disagg_gen_init = gen_init_reuse.prepare_disagg_gen_init
+    def prepare_disagg_gen_init(self, req: LlmRequest, *, reused_tokens: int = 0) -> bool:
+        """A generation worker's new request: the prompt is history, a step of headroom above it.
 
-    def update_resources(self, batch: ScheduledRequests) -> None:
+        Upstream's convention: False when the pool cannot hold it, and then nothing is left
+        behind (no cache, every pool as before); `last_refusal` keeps the explicit
+        `KVCacheResizeError` (request, capacity, history, every live cache). True once sized.
+        `reused_tokens` (ours): a prefix hit of `find_gen_init_hit` the cache adopts first
+        (manager/gen_init_reuse.py). A bad argument still raises ValueError.
+        """
+        try:
+            gen_init_reuse.prepare_disagg_gen_init(self, req, reused_tokens=reused_tokens)
+        except KVCacheResizeError as err:
+            self.last_refusal = err
+            return False
+        self._suspended.discard(req.py_request_id)
+        return True
+
+    def update_resources(
+        self, scheduled_batch: ScheduledRequests, attn_metadata: object = None, kv_cache_dtype_byte_size: float = None
+    ) -> None:
         """After a step: drop rejected draft slots; history = tokens − 1 (the last has no KV).
 
-        All or nothing over the batch: an unknown id raises before any cache changes.
+        Every request holding generated tokens, as upstream; one with no cache here, a
+        suspended one or a dummy is skipped. All or nothing over the rest. `attn_metadata` and
+        `kv_cache_dtype_byte_size` (upstream's, for moving accepted drafts inside the cache
+        and for its stats) are not needed here: drafts are written at their final positions.
         """
-        reqs = [r for r in batch.all_requests() if r.num_generated >= 1 and not r.is_dummy]
-        self._require_caches((r.py_request_id for r in reqs), "update_resources")
+        reqs = [
+            r for r in scheduled_batch.all_requests()
+            if generated_tokens(r) >= 1 and not r.is_dummy and self.is_request_active(r.py_request_id)
+        ]
         with self._batch_transaction(r.py_request_id for r in reqs):
             for req in reqs:
                 cache = self._caches[req.py_request_id]
@@ -518,8 +566,203 @@ class KVCacheManagerV2:
                     # slot: still advance history (this only releases pages); the next
                     # prepare reserves the slot, or raises the explicit resize error.
                     cache.resize(max(cache.capacity, history), history)
+        for req in reqs:  # the step is over: nothing of it is left to revert
+            self._allocated_draft_lens.pop(req.py_request_id, None)
+            self._capacity_before.pop(req.py_request_id, None)
 
-    add_dummy_requests = dummies.add_dummy_requests  # upstream's call shape, in its own module
+    def add_dummy_requests(
+        self,
+        request_ids: List[int],
+        token_nums: Optional[List[int]] = None,
+        is_gen: bool = False,
+        materialize_history: bool = False,
+        prepare_resource: bool = True,
+        max_num_draft_tokens: int = 0,
+        kv_reserve_draft_tokens: Optional[int] = None,
+        use_mrope: bool = False,
+        max_beam_width: int = 1,
+        encoder_output_lens: Optional[List[int]] = None,
+        draft_kv_cache_manager: Optional["KVCacheManagerV2"] = None,
+        capture_sampling_params: Optional[object] = None,
+        *,
+        num_extra_decoding_steps: int = 0,
+        history_hint: int | None = None,
+    ) -> Optional[List[LlmRequest]]:
+        """CUDA-graph warmup dummies, upstream's signature (rules in `dummies.add_dummies`).
+
+        Upstream's convention: None when a pool cannot hold them, and then no dummy is left in
+        either manager (`last_refusal` keeps the explicit `KVCacheResizeError`); the dummies
+        otherwise. `draft_kv_cache_manager`: the same dummies there too, all or nothing across
+        both. `use_mrope` and `capture_sampling_params` have no meaning here; a beam width other
+        than 1 or `encoder_output_lens` is a ValueError. Ours, keyword-only:
+        `num_extra_decoding_steps` (a capturable drafting loop's extra steps), `history_hint`.
+        """
+        try:
+            return dummies.add_dummies(
+                self, request_ids, token_nums, is_gen=is_gen, materialize_history=materialize_history,
+                prepare_resource=prepare_resource, max_num_draft_tokens=max_num_draft_tokens,
+                kv_reserve_draft_tokens=kv_reserve_draft_tokens, max_beam_width=max_beam_width,
+                encoder_output_lens=encoder_output_lens, draft_kv_cache_manager=draft_kv_cache_manager,
+                num_extra_decoding_steps=num_extra_decoding_steps, history_hint=history_hint,
+            )
+        except KVCacheResizeError as err:
+            self.last_refusal = err
+            if draft_kv_cache_manager is not None:
+                draft_kv_cache_manager.last_refusal = err
+            return None
+
+    # -- the V2 scheduler's contract ----------------------------------------------
+    # Upstream's KVCacheV2Scheduler sizes caches before `prepare_resources` runs; these are its
+    # calls. Sizes come from the same rules, so `prepare_resources` then changes nothing. There is
+    # no host tier here: a suspended cache keeps its pages and is not grown or updated.
+    def is_request_active(self, request_id: int) -> bool:
+        """The request holds a cache here and it is not suspended."""
+        return request_id in self._caches and request_id not in self._suspended
+
+    def get_history_length(self, req: LlmRequest) -> int | None:
+        """Tokens of the request's cache that are history only (None: no cache here)."""
+        cache = self._caches.get(req.py_request_id)
+        return None if cache is None else cache.history_length
+
+    def prepare_context_cache(self, req: LlmRequest, reuse_limit: int | None = None) -> int | None:
+        """The request's cache before a context chunk: created if new (adopting its prefix hit, at most
+        `reuse_limit` tokens), resumed if suspended. Returns the prefix it holds from a hit (tokens; 0
+        without), never moves the request's view. Refused requests: None (`last_refusal` says why)."""
+        rid = req.py_request_id
+        if rid not in self._caches:
+            hit = self.find_prefix_hit(req) if self._mirror_policy is None and not req.is_dummy else 0
+            if reuse_limit is not None:
+                hit = min(hit, max(0, reuse_limit) // self.tokens_per_block * self.tokens_per_block)
+            if hit:
+                prefix_reuse.adopt(self, req, hit, prefix_reuse.lookup(self, req, hit // self.tokens_per_block))
+            else:
+                self._caches[rid] = self._new_cache(rid)
+        if not self.resume_request(req):
+            return None
+        return self._caches[rid].committed
+
+    def prepare_context(self, req: LlmRequest) -> bool:
+        """`prepare_context_cache`, then a first chunk starts past the prefix it reused."""
+        if req.is_disagg_generation_init_state:
+            raise ValueError(
+                f"{self.error_label}: request {req.py_request_id} is a generation-init request; "
+                "use prepare_disagg_gen_init"
+            )
+        first = target_view(req).position == 0 and reused_prefix(req) == 0
+        reused = self.prepare_context_cache(req)
+        if reused is None:
+            return False
+        if first and reused:
+            skip_reused_prefix(req, reused, self.tokens_per_block)
+        return True
+
+    def _grow_or_refuse(self, req: LlmRequest, phase: str, capacity: int, history: int | None) -> bool:
+        """Resize the request's cache up to `capacity` (never down); False with `last_refusal` set, the
+        cache as it was, when the pool cannot. The capacity before is kept for the reverts."""
+        cache = self._caches[req.py_request_id]
+        before = cache.capacity
+        if not cache.resize(max(capacity, before), history):
+            self.last_refusal = self._mirror_resize_error(req.py_request_id, phase, capacity, history)
+            return False
+        self._capacity_before.setdefault(req.py_request_id, before)
+        return True
+
+    def resize_context(self, req: LlmRequest, num_tokens: int) -> bool:
+        """Room for the next `num_tokens` prompt tokens from the view's position (the extra tokens
+        too, the drafts on the last chunk). False when the pool cannot (the cache as it was)."""
+        cache = self._caches.get(req.py_request_id)
+        if cache is None or num_tokens < 0:
+            raise ValueError(
+                f"{self.error_label}: resize_context for request {req.py_request_id} with {num_tokens} tokens "
+                + ("needs its cache from prepare_context first" if cache is None else "(must be >= 0)")
+            )
+        capacity, history = self.sizing_rules.context(req, cache, chunk=num_tokens)
+        return self._grow_or_refuse(req, "context", capacity, history)
+
+    def try_allocate_draft_context(self, req: LlmRequest, num_tokens: int) -> bool:
+        """A draft manager's call (`DraftKVCacheManagerV2`); upstream asserts `is_draft`, so here a
+        target manager raises ValueError."""
+        raise ValueError(f"{self.error_label}: try_allocate_draft_context is a draft manager's call")
+
+    def try_allocate_generation(self, req: LlmRequest) -> bool:
+        """Room for a generation step (new token, drafts, extra). False: no cache, suspended and not
+        resumable, or the pool cannot (the cache as it was)."""
+        rid = req.py_request_id
+        if rid not in self._caches or not self.resume_request(req):
+            return False
+        capacity, history = self.sizing_rules.generation(req, self._caches[rid])
+        if not self._grow_or_refuse(req, "generation", capacity, history):
+            return False
+        self._allocated_draft_lens[rid] = len(req.py_draft_tokens)
+        return True
+
+    def revert_allocate_generation(self, req: LlmRequest) -> None:
+        """Undo this step's `try_allocate_generation` (nothing to undo: no-op)."""
+        rid = req.py_request_id
+        if self._allocated_draft_lens.pop(rid, None) is None:
+            return
+        self._shrink_back(rid)
+
+    def revert_allocate_context(self, req: LlmRequest) -> bool:
+        """Undo this step's context growth and suspend the cache. True: the cache is kept; False: it
+        had nothing before this step and is dropped (the request starts over)."""
+        rid = req.py_request_id
+        if rid not in self._caches:
+            return False
+        self._shrink_back(rid)
+        cache = self._caches[rid]
+        if cache.num_blocks == 0 and cache.committed == 0:
+            del self._caches[rid]
+            cache.free()
+            return False
+        self.suspend_request(req)
+        return True
+
+    def _shrink_back(self, rid: int) -> None:
+        before = self._capacity_before.pop(rid, None)
+        cache = self._caches[rid]
+        if before is not None and before < cache.capacity:
+            cache.resize(max(before, cache.history_length), None)
+
+    def extend_capacity_for_tokens(self, request: LlmRequest) -> None:
+        """Grow a generation step's room to the request's drafts now (after padding for a CUDA graph
+        added some). Raises the explicit `KVCacheResizeError` if the pool cannot."""
+        rid = request.py_request_id
+        self._require_caches([rid], "extend_capacity_for_tokens")
+        capacity, history = self.sizing_rules.generation(request, self._caches[rid])
+        if not self._grow_or_refuse(request, "generation", capacity, history):
+            raise self.last_refusal
+        self._allocated_draft_lens[rid] = len(request.py_draft_tokens)
+
+    def suspend_request(self, req: LlmRequest) -> None:
+        """Stop growing and updating the request's cache (its pages stay: there is no host tier)."""
+        if req.py_request_id in self._caches:
+            self._suspended.add(req.py_request_id)
+
+    def resume_request(self, req: LlmRequest) -> bool:
+        """Make a suspended cache active again. False: no cache here, or the tightest pool is fuller
+        than `KvCacheConfig.max_util_for_resume` (upstream's pressure rule; `last_refusal` says so)."""
+        rid = req.py_request_id
+        if rid not in self._caches:
+            return False
+        if rid not in self._suspended:
+            return True
+        limit = 1.0 if self._upstream_args is None else self._upstream_args.kv_cache_config.max_util_for_resume
+        used = max((1 - p.num_free / p.total) if p.total else 1.0 for p in self.pools())
+        if used > limit:
+            self.last_refusal = KVCacheResizeError(
+                f"{self.error_label}: request {rid} stays suspended: the fullest pool is {used:.0%} used, above "
+                f"max_util_for_resume {limit:.0%}\n" + self.pool_diagnostic(),
+                request_id=rid, phase="resume", capacity=self._caches[rid].capacity,
+                history=self._caches[rid].history_length,
+            )
+            return False
+        self._suspended.discard(rid)
+        return True
+
+    def release_index_slot(self, request_id: int) -> None:
+        """Upstream frees a request's page-index slot early and keeps its pages; there are no index
+        slots here (block offsets are exported per call), so nothing to do."""
 
     # -- block reuse (manager/prefix_reuse.py) ----------------------------------------------
     find_prefix_hit = prefix_reuse.find_prefix_hit
@@ -541,18 +784,27 @@ class KVCacheManagerV2:
             history=tokens,
         )
 
-    def free_resources(self, req: "LlmRequest | int | ScheduledRequests | Iterable[LlmRequest | int]") -> None:
-        """Return every page of one request, or of every request of a batch or list.
+    def free_resources(
+        self, request: "LlmRequest | int | ScheduledRequests | Iterable[LlmRequest | int]", pin_on_release: bool = False
+    ) -> None:
+        """Return every page of one request, or (ours) of every request of a batch or list of ids.
 
-        All or nothing: an unknown, repeated or already freed id raises KeyError
-        before any cache is freed.
+        A request object, as upstream: a no-op when it holds no cache here (the draft
+        manager sees requests it never mirrored). Ids and lists (ours) are strict: an
+        unknown, repeated or already freed id raises KeyError before any cache is freed.
+        `pin_on_release` (upstream: keep the pages for reuse in a host tier) is accepted
+        and has nothing to pin here: published pages stay cached-free either way.
         """
-        if isinstance(req, ScheduledRequests):
-            items: list = req.all_requests()
-        elif isinstance(req, (LlmRequest, int)):
-            items = [req]
+        if hasattr(request, "py_request_id"):
+            if request.py_request_id not in self._caches:
+                return
+            items: list = [request]
+        elif isinstance(request, ScheduledRequests):
+            items = request.all_requests()
+        elif isinstance(request, int):
+            items = [request]
         else:
-            items = list(req)
+            items = list(request)
         ids = [r if isinstance(r, int) else r.py_request_id for r in items]
         missing = self._missing(ids)
         if missing or len(set(ids)) != len(ids):
@@ -566,6 +818,9 @@ class KVCacheManagerV2:
             )
         for rid in ids:
             self._caches.pop(rid).free()
+            self._suspended.discard(rid)
+            self._allocated_draft_lens.pop(rid, None)
+            self._capacity_before.pop(rid, None)
 
     # -- export -----------------------------------------------------------------
     get_block_offsets = export.get_block_offsets

@@ -24,7 +24,7 @@ from fractions import Fraction
 
 import torch
 
-from ..config import LayerGroupConfig, SpeculativeDecodingMode
+from ..config import KVPoolConfig, LayerGroupConfig, SpeculativeDecodingMode
 from . import rules
 from .admission import request_charge
 from .budget import (
@@ -145,6 +145,30 @@ class PoolReport:
     kv_heads_per_rank: int = 0
     chunk: int = 0
     chunk_alignment: bool = False
+
+    def to_pool_config(
+        self, geometry: PoolGeometry, *, max_seq_len: int, device: str = "cpu", enable_block_reuse: bool = False
+    ) -> KVPoolConfig:
+        """The pool geometry this plan buys, for `KVCacheManagerV2.from_pool_config` (one rank: the KV
+        heads it holds, every group's planned pages). ValueError if the plan gives a group no page."""
+        if len(geometry.layer_groups) != len(self.groups):
+            raise ValueError(f"{self.name}: the plan has {len(self.groups)} layer groups, the geometry "
+                             f"{len(geometry.layer_groups)}")
+        empty = [g for g, report in enumerate(self.groups) if report.pool_pages < 1]
+        if empty:
+            raise ValueError(f"{self.name}: the plan buys no page for layer groups {empty}; raise the budget")
+        return KVPoolConfig(
+            layer_groups=geometry.layer_groups,
+            pages_per_group=tuple(report.pool_pages for report in self.groups),
+            tokens_per_block=geometry.tokens_per_block,
+            num_kv_heads=geometry.kv_heads_per_rank,
+            head_dim=geometry.head_dim,
+            dtype=geometry.dtype,
+            kv_factor=geometry.kv_factor,
+            device=device,
+            max_seq_len=max_seq_len,
+            enable_block_reuse=enable_block_reuse,
+        )
 
     @property
     def bytes_per_request(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from ..request import LlmRequest
+from ..request import LlmRequest, reused_prefix, skip_reused_prefix, target_view
 from .rules import drafter_window_hit_cap
 from ..runtime import BAD_PAGE_INDEX
 from ..runtime.prefix_cache import PageKey, longest_valid_prefix, page_tokens
@@ -38,7 +38,7 @@ class PrefixLookup:
 def lookup(manager: KVCacheManagerV2, req: LlmRequest, num_pages: int) -> PrefixLookup:
     """Keys and published pages of `req`'s first `num_pages` pages in `manager`'s pools. Changes nothing."""
     probe = manager._new_cache(req.py_request_id)  # holds no page: only its chain roots are used
-    tokens = page_tokens(req.tokens, manager.tokens_per_block, 0, num_pages)
+    tokens = page_tokens(req.get_tokens(0), manager.tokens_per_block, 0, num_pages)
     hashes = [hash(t) for t in tokens]  # shared by every group: only the chain differs
     keys, pages, windows = [], [], []
     for g, group in enumerate(manager.layer_groups):
@@ -122,8 +122,8 @@ def reuse_prefixes(self: KVCacheManagerV2, requests: list[LlmRequest]) -> None:
 
     A target manager leads: a request still at position 0 gets the hit of
     `find_prefix_hit`, its cache adopts the pages and its target view skips them
-    (`LlmRequest.skip_reused_prefix`). A joint draft mirror follows: it adopts
-    exactly `req.reused_tokens` from its own pool (the target's lookup already
+    (`request.skip_reused_prefix`). A joint draft mirror follows: it adopts
+    exactly `req.prepopulated_prompt_len` from its own pool (the target's lookup already
     required them there). All hits are pinned before the step allocates, so one
     request's growth cannot evict the pages another's hit needs.
     """
@@ -133,14 +133,14 @@ def reuse_prefixes(self: KVCacheManagerV2, requests: list[LlmRequest]) -> None:
         if req.is_dummy or req.py_request_id in self._caches:
             continue
         if self._mirror_policy is None:
-            if req.target_view.position != 0 or req.reused_tokens:
+            if target_view(req).position != 0 or reused_prefix(req):
                 continue
             tokens, found = _find(self, req)
             if tokens:
                 adopt(self, req, tokens, found[0])
-                req.skip_reused_prefix(tokens)
-        elif req.reused_tokens > 0:
-            tokens = req.reused_tokens
+                skip_reused_prefix(req, tokens, self.tokens_per_block)
+        elif reused_prefix(req) > 0:
+            tokens = reused_prefix(req)
             if tokens % self.tokens_per_block or tokens >= req.prompt_len:
                 raise ValueError(
                     f"{self.error_label}: request {req.py_request_id} reuses {tokens} tokens of a {req.prompt_len}-token "
@@ -154,7 +154,7 @@ def publish_history(self: KVCacheManagerV2, req: LlmRequest, position: int) -> N
     cache = self._caches[req.py_request_id]
     done = min(position, req.prompt_len, cache.history_length)
     if done > cache.committed:
-        cache.commit(done, req.tokens)
+        cache.commit(done, req.get_tokens(0))
 
 
 def pair_joint_reuse(self: KVCacheManagerV2, draft_manager: KVCacheManagerV2) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ParsableEnum, SpeculativeDecodingMode
-from ..request import ContextView
+from ..request import ContextView, target_view
 
 
 class MirrorSizing(ParsableEnum):
@@ -36,13 +36,16 @@ class MirrorPolicy:
 def mirror_uses_draft_view(policy: MirrorPolicy) -> bool:
     """Does the draft mirror read the request's draft view (else the target view)?
 
-    The fix: only an external drafter (PARD, DFlash, DSpark, draft-target one-model)
-    reads the target view, because no separate engine advances its draft view.
-    Legacy: the draft view for every drafter unless the pool joins the target's
-    block reuse.
+    A pool that joins the target's block reuse shares the target's progress, so it
+    reads the target view under both sizings (upstream's `request_context(not joint,
+    batch)`). Otherwise, the fix: only an external drafter (PARD, DFlash, DSpark,
+    draft-target one-model) reads the target view, because no separate engine
+    advances its draft view; legacy: every drafter reads the draft view.
     """
+    if policy.joint_kv_cache_reuse:
+        return False
     if policy.sizing is MirrorSizing.LEGACY:
-        return not policy.joint_kv_cache_reuse
+        return True
     return not policy.mode.is_external_drafter()
 
 
@@ -77,7 +80,8 @@ def context_history(policy: MirrorPolicy, *, start: int, mirror_covers_start: bo
     `mirror_covers_start`: the mirror already holds `[0, start)` (it computed the
     earlier chunks, or the pool holds them through joint block reuse).
     """
-    if policy.sizing is MirrorSizing.LEGACY or mirror_uses_draft_view(policy):
+    # MTP, Eagle3 and two-engine drafters keep the old resize, whichever view they read.
+    if policy.sizing is MirrorSizing.LEGACY or not policy.mode.is_external_drafter():
         return None
     if mirror_covers_start or start == 0:
         return start
@@ -153,13 +157,15 @@ class StepSizing:
         """
         if self.reads_draft_view:
             return ContextView(req.context_current_position, req.context_chunk_size)
-        return req.target_view
+        return target_view(req)
 
-    def context(self, req, cache) -> tuple[int, int | None]:
-        """The current context chunk `[start, start + chunk)` of the view."""
+    def context(self, req, cache, chunk: int | None = None) -> tuple[int, int | None]:
+        """The current context chunk `[start, start + chunk)` of the view (`chunk`: the scheduler's
+        token count instead of the view's chunk size)."""
         view = self.view(req)
-        is_last = view.position + view.chunk_size >= req.prompt_len
-        capacity = context_capacity(view.position, view.chunk_size, is_last, self.max_draft_len, self.num_extra_kv_tokens)
+        size = view.chunk_size if chunk is None else chunk
+        is_last = view.position + size >= req.prompt_len
+        capacity = context_capacity(view.position, size, is_last, self.max_draft_len, self.num_extra_kv_tokens)
         if self.policy is None:
             return capacity, None
         # Covers [0, start): it computed the earlier chunks, or joint reuse holds them.

@@ -96,6 +96,10 @@ class PagePool(PoolJournal):
         self._extra: dict[int, int] = {}
         self.prefix: PrefixCache | None = PrefixCache(reuse_salt) if block_reuse else None
         self._listeners: list[PoolListener] = []
+        #: Pages handed out over the pool's life: fresh from the free list, and reused (a published
+        #: page joined or revived by `share`). A journal rollback does not take them back.
+        self.pages_handed_out = 0
+        self.pages_reused = 0
         # While a journal is open: (kind, page, owner, data) for every change, in order.
         self._log: list[JournalEntry] | None = None
 
@@ -189,6 +193,7 @@ class PagePool(PoolJournal):
         self._held.update(pages)
         if self._log is not None:
             self._log.extend(("pop", p, owner, None) for p in pages)
+        self.pages_handed_out += count
         self._emit("evict", evicted, None)
         self._emit("allocate", pages, owner)
         return pages
@@ -221,6 +226,7 @@ class PagePool(PoolJournal):
                 self._held.add(page)
                 self._record("revive", page, owner, stamp)
                 revived.append(page)
+        self.pages_reused += len(pages)
         self._emit("share", joined, owner)
         self._emit("allocate", revived, owner)
 

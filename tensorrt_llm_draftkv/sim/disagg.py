@@ -171,7 +171,7 @@ def transfer_from(req: LlmRequest, executor, hit: GenHit | None = None) -> Trans
         keys.append(k)
         values.append(v)
     tokens = torch.tensor(req.tokens[: m + 1], dtype=torch.long)
-    item = Transfer(rid, m, tokens, group_lo, keys, values, reused_tokens=req.reused_tokens,
+    item = Transfer(rid, m, tokens, group_lo, keys, values, reused_tokens=req.prepopulated_prompt_len,
                     gen_reused_tokens=hit.tokens, gen_drafter_reused=hit.drafter_tokens)
     settings = handoff_settings(executor)
     if settings.mode is DrafterHandoff.WINDOW:
@@ -180,7 +180,7 @@ def transfer_from(req: LlmRequest, executor, hit: GenHit | None = None) -> Trans
         item.drafter_geometry = geometry
         # Without joint reuse the drafter computed only [reused_tokens, m): nothing below it exists to send.
         if not getattr(executor.draft_manager, "block_reuse", False):
-            item.drafter_lo = req.reused_tokens
+            item.drafter_lo = req.prepopulated_prompt_len
         payload = speculator.export_context(req, executor.tokens[rid], geometry, floor=item.drafter_floor)
         item.drafter_payload = [t.cpu() for t in payload]
         item.drafts = [int(t) for t in (req.py_draft_tokens or [])]
@@ -219,10 +219,11 @@ def _prepare(item: Transfer, executor, req: LlmRequest, take_context: bool) -> N
     """Both generation-init caches (adopting the announced hits), the adopted pages checked, the drafter
     context written and its slot seeded. All or nothing: on any error every cache and the slot are freed."""
     tm, dm, speculator = executor.target_manager, executor.draft_manager, executor.speculator
-    tm.prepare_disagg_gen_init(req, reused_tokens=item.gen_reused_tokens)
+    if not tm.prepare_disagg_gen_init(req, reused_tokens=item.gen_reused_tokens):
+        raise tm.last_refusal  # False: the pool cannot hold it, and nothing was left behind
     try:
-        if dm is not None:
-            dm.prepare_disagg_gen_init(req, reused_tokens=item.gen_drafter_reused)
+        if dm is not None and not dm.prepare_disagg_gen_init(req, reused_tokens=item.gen_drafter_reused):
+            raise dm.last_refusal
         if item.gen_reused_tokens:  # the adopted target pages hold this prompt's K/V (else an error)
             executor.stats.gen_reused_positions_checked += executor.target_model.check_reused(
                 req.py_request_id, item.tokens, item.gen_reused_tokens)

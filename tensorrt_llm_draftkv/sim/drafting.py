@@ -222,7 +222,7 @@ class DFlashSpeculator:
         """The draft pool takes part in real block reuse and this request's mirror adopted a prefix hit."""
         dm = self.drafter.draft_manager
         return bool(
-            getattr(dm, "joint_kv_cache_reuse", False) and getattr(dm, "block_reuse", False) and req.reused_tokens
+            getattr(dm, "joint_kv_cache_reuse", False) and getattr(dm, "block_reuse", False) and req.prepopulated_prompt_len
         )
 
     def _fresh_over_base_zero(self, req: LlmRequest) -> int:

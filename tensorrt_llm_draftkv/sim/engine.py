@@ -164,13 +164,16 @@ class Executor:
     # -- warmup -------------------------------------------------------------------
     def _dummies(self, manager: KVCacheManagerV2, ids: list[int], sizes: Sequence[int]) -> list[LlmRequest]:
         """Generation dummies of `sizes` tokens; `history_hint` lets a windowed pool back only their window."""
-        return manager.add_dummy_requests(
+        made = manager.add_dummy_requests(
             ids,
             list(sizes),
             is_gen=True,
             max_num_draft_tokens=self.scheduler.config.max_draft_len,
             history_hint=max(sizes) - 1,
         )
+        if made is None:  # upstream's answer to a pool that cannot hold them: the reason is kept
+            raise manager.last_refusal
+        return made
 
     def warmup(self, num_dummies: int, token_num: int) -> bool:
         """CUDA-graph-style warmup: generation dummies of `token_num` tokens in both pools, then freed.
@@ -326,8 +329,8 @@ class Executor:
         tokens = self.tokens[rid]
         view = req.target_view
         start, end = view.position, view.position + view.chunk_size
-        if start == req.reused_tokens:  # its first chunk: the prefix hit (0 without one) is known now
-            self.stats.reused_tokens[rid] = req.reused_tokens
+        if start == req.prepopulated_prompt_len:  # its first chunk: the prefix hit (0 without one) is known now
+            self.stats.reused_tokens[rid] = req.prepopulated_prompt_len
         first = self.verifier.context(req, tokens, start, end)
         if first is not None:
             tokens[req.prompt_len] = first

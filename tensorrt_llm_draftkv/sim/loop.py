@@ -191,7 +191,8 @@ class DraftLoop:
         req = LlmRequest(
             rid, prompt_len, tokens=list(truth[: prompt_len + 1]), state=LlmRequestState.DISAGG_GENERATION_INIT
         )
-        self.dm.prepare_disagg_gen_init(req)
+        if not self.dm.prepare_disagg_gen_init(req):
+            raise self.dm.last_refusal  # the pool cannot hold it; nothing was left behind
         req.state = LlmRequestState.GENERATION_IN_PROGRESS
         return self._track(req, truth)
 

@@ -83,7 +83,7 @@ class Scheduler:
         for req in self.active:
             if req.state != LlmRequestState.CONTEXT_INIT:
                 continue
-            fresh = req.target_view.position == 0 and req.reused_tokens == 0
+            fresh = req.target_view.position == 0 and req.prepopulated_prompt_len == 0
             held = self.config.serial_prefill and prefill_ahead and fresh
             prefill_ahead = True
             if held or batch.batch_size >= self.config.max_batch_size:

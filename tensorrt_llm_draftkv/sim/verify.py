@@ -76,7 +76,7 @@ class TargetVerifier:
     def context(self, req: LlmRequest, tokens: torch.Tensor, start: int, end: int) -> int | None:
         """Target K/V of positions ``[start, end)``; the first output token if the chunk ends the prompt."""
         rid = req.py_request_id
-        if start > 0 and start == req.reused_tokens:
+        if start > 0 and start == req.prepopulated_prompt_len:
             # The first chunk after a prefix hit: the reused pages must already hold this prompt's K/V.
             self.reused_positions_checked += self.model.check_reused(rid, tokens, start)
         self.model.write_kv(rid, tokens, start, end)

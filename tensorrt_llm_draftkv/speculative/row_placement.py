@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from ..request import LlmRequest
+from ..request import LlmRequest, target_view
 from . import slot_rules as rules
 from .addressing import Row
 from .slot_plan import SlotPlan
@@ -101,7 +101,7 @@ def place_context(
     plan: SlotPlan, seeds: dict[int, SlotStart], req: LlmRequest, slot: int, fresh: bool, starts: StartRules
 ) -> bool:
     """Place a context chunk that does not continue its slot; True if the row proposes."""
-    view = req.target_view
+    view = target_view(req)
     if fresh or plan.continues_at(slot) != view.position:
         seeds[req.py_request_id] = start = starts.context(view.position)
         plan.place(slot, start)

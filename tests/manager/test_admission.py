@@ -300,7 +300,7 @@ def drive(mgr: DraftKVCacheManagerV2, case) -> tuple[list[int], list[int]]:
     prompt, chunk = case["prompt"], case["chunk"]
     if case["disagg"]:
         req = LlmRequest(1, prompt_len=prompt, state=LlmRequestState.DISAGG_GENERATION_INIT, max_new_tokens=case["max_new"])
-        mgr.prepare_disagg_gen_init(req)
+        assert mgr.prepare_disagg_gen_init(req)
         observe(0)
         req.state = LlmRequestState.GENERATION_IN_PROGRESS
         req.tokens.append(1)

@@ -20,6 +20,7 @@ from tensorrt_llm_draftkv import (
     SpeculativeDecodingMode as Mode,
 )
 from tensorrt_llm_draftkv.manager.admission import request_charge
+from tensorrt_llm_draftkv.request import skip_reused_prefix
 
 P = 4
 PREFIX = list(range(100, 128))  # 28 tokens: 7 full pages
@@ -75,7 +76,7 @@ def test_block_reuse_is_off_by_default_and_then_nothing_is_published_or_shared()
         pool.add_listener(lambda e, pages, owner: events.append(e))
     for rid in (1, 2):
         req = request(rid, PREFIX + [rid])
-        assert prefill(req, mgr)[0] == (0, 8) and req.reused_tokens == 0
+        assert prefill(req, mgr)[0] == (0, 8) and req.prepopulated_prompt_len == 0
         assert mgr.find_prefix_hit(request(9, PREFIX + [5])) == 0
     assert set(events) == {"allocate", "release"}
     assert set(mgr.get_cache(1).block_row(0)).isdisjoint(mgr.get_cache(2).block_row(0))
@@ -91,7 +92,7 @@ def test_a_second_request_starts_past_the_shared_pages_and_shares_them():
     assert mgr.find_prefix_hit(second) == 28
     mgr.prepare_resources(ScheduledRequests([second]))
     check(mgr)
-    assert second.reused_tokens == 28 and (second.target_view.position, second.target_view.chunk_size) == (28, 5)
+    assert second.prepopulated_prompt_len == 28 and (second.target_view.position, second.target_view.chunk_size) == (28, 5)
     cache = mgr.get_cache(2)
     assert (cache.capacity, cache.history_length, cache.committed) == (33, 28, 28)
     full_1, full_2 = mgr.get_cache(1).block_row(0), cache.block_row(0)
@@ -117,7 +118,7 @@ def test_the_hit_always_leaves_at_least_one_token_to_compute(length, hit):
     req = request(2, (PREFIX + [1, 2, 3, 4, 5])[:length])
     assert mgr.find_prefix_hit(req) == hit
     mgr.prepare_resources(ScheduledRequests([req]))
-    assert req.reused_tokens == hit and req.target_view.position == hit
+    assert req.prepopulated_prompt_len == hit and req.target_view.position == hit
     assert req.target_view.chunk_size == min(8, length - hit)
     check(mgr)
 
@@ -141,7 +142,7 @@ def test_a_windowed_hit_fails_when_the_lru_evicted_a_window_page():
     req = request(2, tokens)
     assert mgr.find_prefix_hit(req) == 36
     mgr.prepare_resources(ScheduledRequests([req]))
-    assert req.reused_tokens == 36 and mgr.get_cache(2).block_row(0)[7:9] == [p7, p8]
+    assert req.prepopulated_prompt_len == 36 and mgr.get_cache(2).block_row(0)[7:9] == [p7, p8]
     check(mgr)
 
 
@@ -160,7 +161,7 @@ def test_the_hit_ignores_evicted_low_pages_of_a_window_group():
         req = request(1, tokens)
         assert mgr.find_prefix_hit(req) == expected
         mgr.prepare_resources(ScheduledRequests([req]))
-        assert req.reused_tokens == expected
+        assert req.prepopulated_prompt_len == expected
         if expected:
             assert mgr.get_cache(1).block_row(0) == [BAD_PAGE_INDEX] * 8 + pages + [mgr.get_cache(1).block_row(0)[10]]
         check(mgr)
@@ -181,7 +182,7 @@ def test_joint_reuse_shares_the_drafters_prefix_pages_in_the_draft_pool():
     prefill(request(1, PREFIX + [1, 2, 3]), target, draft)
     second = request(2, PREFIX + [5, 6, 7])
     prefill(second, target, draft)
-    assert second.reused_tokens == 28
+    assert second.prepopulated_prompt_len == 28
     d1, d2 = draft.get_cache(1), draft.get_cache(2)
     full = draft.pools()[1]
     assert d2.block_row(1)[:7] == d1.block_row(1)[:7]
@@ -207,7 +208,7 @@ def test_without_joint_reuse_a_dflash_mirror_takes_the_chunk_start_as_history():
     target.prepare_resources(batch)
     draft.prepare_resources(batch)
     mirror = draft.get_cache(2)
-    assert second.reused_tokens == 28 and mirror.history_length == 28
+    assert second.prepopulated_prompt_len == 28 and mirror.history_length == 28
     assert all(p != BAD_PAGE_INDEX for p in mirror.block_row(1)) and mirror.committed == 0
     assert not set(mirror.held_pages(1)) & set(draft.get_cache(1).held_pages(1))
     check(target, draft)
@@ -237,13 +238,13 @@ def test_a_joint_hit_counts_only_pages_both_pools_hold():
     req = request(2, PREFIX + [5])
     assert target.find_prefix_hit(req) == 0
     prefill(req, target, draft)
-    assert req.reused_tokens == 0
+    assert req.prepopulated_prompt_len == 0
 
 
 def test_a_joint_mirror_told_to_reuse_pages_its_pool_lacks_fails_explicitly_and_changes_nothing():
     _, draft = pair()
     req = request(5, PREFIX + [1])
-    req.skip_reused_prefix(16)
+    skip_reused_prefix(req, 16, draft.tokens_per_block)
     before = [p.state() for p in draft.pools()]
     with pytest.raises(KVCacheResizeError, match=r"request 5: it reuses 16 prompt tokens but layer group 0"):
         draft.prepare_resources(ScheduledRequests([req]))
@@ -272,10 +273,10 @@ def test_a_refused_batch_puts_back_the_hit_the_views_and_every_pool():
     before = [p.state() for p in mgr.pools()]
     with pytest.raises(KVCacheResizeError, match="request 3"):
         mgr.prepare_resources(ScheduledRequests([hit, huge]))
-    assert (hit.target_view.position, hit.target_view.chunk_size, hit.reused_tokens) == (0, 8, 0)
+    assert (hit.target_view.position, hit.target_view.chunk_size, hit.prepopulated_prompt_len) == (0, 8, 0)
     assert [p.state() for p in mgr.pools()] == before and mgr.request_ids() == []
     mgr.prepare_resources(ScheduledRequests([hit]))
-    assert hit.reused_tokens == 28
+    assert hit.prepopulated_prompt_len == 28
     check(mgr)
 
 
@@ -312,7 +313,7 @@ def test_finishing_every_request_returns_every_page_to_free_or_cached_free():
     reqs = [request(rid, PREFIX[: 8 + 4 * rid] + [rid] * rid) for rid in range(1, 5)]
     for req in reqs:
         prefill(req, target, draft)
-    assert sum(r.reused_tokens for r in reqs) > 0
+    assert sum(r.prepopulated_prompt_len for r in reqs) > 0
     for req in reqs:
         target.free_resources(req)
         draft.free_resources(req)
@@ -333,7 +334,7 @@ def test_with_reuse_a_request_holds_no_more_unique_pages_than_without_and_stays_
     prefill(b, alone)
     held_alone = [alone.get_cache(2).num_held_pages(g) for g in range(2)]
     prefill(a, shared)
-    assert a.reused_tokens == 28
+    assert a.prepopulated_prompt_len == 28
     cache = shared.get_cache(2)
     for g, pool in enumerate(shared.pools()):
         unique = sum(1 for p in cache.held_pages(g) if pool.refcount(p) == 1)
@@ -378,7 +379,7 @@ def test_dummies_are_never_published_nor_given_a_hit():
     prefill(request(1, [0] * 33), mgr)  # a real request of zeros publishes 8 pages per group
     published = mgr.pools()[0].prefix.num_published
     (dummy,) = mgr.add_dummy_requests([50], [33])
-    assert dummy.reused_tokens == 0 and mgr.get_cache(50).committed == 0
+    assert dummy.prepopulated_prompt_len == 0 and mgr.get_cache(50).committed == 0
     dummy.advance_context_chunk()
     mgr.update_context_resources(ScheduledRequests([dummy]))
     assert mgr.pools()[0].prefix.num_published == published and mgr.get_cache(50).committed == 0
@@ -416,7 +417,7 @@ def test_keep_drafter_window_stops_the_hit_short_of_the_draft_window():
     second = request(2, PREFIX + [5, 6, 7])
     assert target.find_prefix_hit(second) == 20
     prefill(second, target, draft)
-    assert second.reused_tokens == 20 and draft.get_cache(2).history_length >= 20
+    assert second.prepopulated_prompt_len == 20 and draft.get_cache(2).history_length >= 20
     # the draft mirror, first seen at 20, backs what the drafter stores from there on
     assert draft.get_cache(2).block_row(0)[5] != BAD_PAGE_INDEX
 

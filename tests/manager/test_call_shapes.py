@@ -16,6 +16,8 @@ import sys
 import warnings
 
 import pytest
+
+from support import strict
 import torch
 
 import tensorrt_llm_draftkv
@@ -220,16 +222,19 @@ def test_copy_refuses_a_destination_on_another_device():
 # =============================================================================================
 # add_dummy_requests
 # =============================================================================================
-UPSTREAM_DUMMY_PARAMS = [
+UPSTREAM_DUMMY_PARAMS = [  # upstream's KVCacheManagerV2.add_dummy_requests, in its order
     ("request_ids", inspect.Parameter.empty),
     ("token_nums", None),
     ("is_gen", False),
+    ("materialize_history", False),
     ("prepare_resource", True),
     ("max_num_draft_tokens", 0),
+    ("kv_reserve_draft_tokens", None),
     ("use_mrope", False),
     ("max_beam_width", 1),
-    ("num_extra_decoding_steps", 0),
+    ("encoder_output_lens", None),
     ("draft_kv_cache_manager", None),
+    ("capture_sampling_params", None),
 ]
 
 
@@ -237,36 +242,37 @@ def test_add_dummy_requests_signature_is_upstreams():
     params = list(inspect.signature(KVCacheManagerV2.add_dummy_requests).parameters.values())[1:]
     positional = [(p.name, p.default) for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     assert positional == UPSTREAM_DUMMY_PARAMS
-    (extra,) = [p for p in params if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD]
-    assert (extra.name, extra.kind, extra.default) == ("history_hint", inspect.Parameter.KEYWORD_ONLY, None)
+    ours = [(p.name, p.kind, p.default) for p in params if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert ours == [("num_extra_decoding_steps", inspect.Parameter.KEYWORD_ONLY, 0),
+                    ("history_hint", inspect.Parameter.KEYWORD_ONLY, None)]
 
 
 def test_dummies_default_to_context_requests_as_upstream():
     mgr = make_target(draft=2, extra=1)
     (ctx,) = mgr.add_dummy_requests([1], [6], max_num_draft_tokens=2)
     assert ctx.state is LlmRequestState.CONTEXT_INIT and ctx.is_dummy and ctx.py_draft_tokens == []
-    (gen,) = mgr.add_dummy_requests([2], [6], True, True, 2)
+    (gen,) = mgr.add_dummy_requests([2], [6], True, False, True, 2)
     assert gen.state is LlmRequestState.GENERATION_IN_PROGRESS and gen.py_draft_tokens == [1, 1]
     for rid in (1, 2):
         assert mgr.get_cache(rid).capacity == 6 + 2 + 1
     # upstream's default token count: 1 + max_num_draft_tokens
-    (d,) = mgr.add_dummy_requests([3], None, True, True, 2)
+    (d,) = mgr.add_dummy_requests([3], None, True, False, True, 2)
     assert d.prompt_len == 3 and mgr.get_cache(3).capacity == 3 + 2 + 1
 
 
 def test_extra_decoding_steps_add_capacity_and_use_mrope_is_ignored():
     plain, flagged = make_target(extra=1), make_target(extra=1)
-    plain.add_dummy_requests([1], [10], True, True, 2)
-    flagged.add_dummy_requests([1], [10], True, True, 2, True)  # use_mrope: no meaning here
+    plain.add_dummy_requests([1], [10], True, False, True, 2)
+    flagged.add_dummy_requests([1], [10], True, False, True, 2, None, True)  # use_mrope: no meaning here
     assert state(plain) == state(flagged)
-    plain.add_dummy_requests([2], [10], True, True, 2, False, 1, 3)
+    plain.add_dummy_requests([2], [10], True, False, True, 2, None, False, 1, num_extra_decoding_steps=3)
     assert plain.get_cache(2).capacity == 10 + 2 + 1 + 3
 
 
 def test_prepare_resource_false_reserves_nothing_in_either_manager():
     target, draft = make_target(), make_draft()
     before = (state(target), state(draft))
-    made = target.add_dummy_requests([1, 2], [5, 7], True, False, draft_kv_cache_manager=draft)
+    made = target.add_dummy_requests([1, 2], [5, 7], True, False, False, draft_kv_cache_manager=draft)
     assert [(d.py_request_id, d.prompt_len, d.is_dummy) for d in made] == [(1, 5, True), (2, 7, True)]
     assert (state(target), state(draft)) == before
 
@@ -276,7 +282,7 @@ def test_the_draft_manager_gets_the_same_dummies(sizing):
     p, window, tokens, drafts = 4, 8, 40, 2
     target = make_target(draft=drafts, extra=1, window=window)
     draft = make_draft("dflash", sizing, draft=drafts, window=window)
-    made = target.add_dummy_requests([7, 8], [tokens, tokens], True, True, drafts,
+    made = target.add_dummy_requests([7, 8], [tokens, tokens], True, False, True, drafts,
                                      draft_kv_cache_manager=draft, history_hint=tokens - 1)
     assert [d.py_request_id for d in made] == [7, 8]
     assert target.request_ids() == draft.request_ids() == [7, 8]
@@ -288,7 +294,7 @@ def test_the_draft_manager_gets_the_same_dummies(sizing):
         assert (d.capacity, d.history_length) == (tokens + drafts, want_history)
     # the same as adding them to the draft manager alone
     alone = make_draft("dflash", sizing, draft=drafts, window=window)
-    alone.add_dummy_requests([7, 8], [tokens, tokens], True, True, drafts, history_hint=tokens - 1)
+    alone.add_dummy_requests([7, 8], [tokens, tokens], True, False, True, drafts, history_hint=tokens - 1)
     assert state(alone) == state(draft)
     target.check_accounting()
     draft.check_accounting()
@@ -300,7 +306,7 @@ def test_a_failing_draft_side_undoes_the_targets_dummies():
     draft = make_draft(pages=(3, 3), window=None, draft=1)  # too small for a 40-token dummy
     before = (state(target), state(draft))
     with pytest.raises(KVCacheResizeError, match=r"^Draft KV cache dummy resize failed for request 3"):
-        target.add_dummy_requests([2, 3], [4, 40], True, True, 1, draft_kv_cache_manager=draft)
+        strict(target, target.add_dummy_requests([2, 3], [4, 40], True, False, True, 1, draft_kv_cache_manager=draft))
     assert (state(target), state(draft)) == before
     assert target.request_ids() == [1] and draft.request_ids() == []
     # a dummy id the draft manager already holds: nothing added on either side
@@ -318,7 +324,7 @@ def test_bad_dummy_arguments_change_nothing():
     target.add_dummy_requests([1], [4])
     before = (state(target), state(draft))
     with pytest.raises(ValueError, match=r"max_beam_width 1 only .*got max_beam_width=2"):
-        target.add_dummy_requests([2], [4], True, True, 0, False, 2)
+        target.add_dummy_requests([2], [4], True, False, True, 0, None, False, 2)
     with pytest.raises(ValueError, match=r"num_extra_decoding_steps \(-1\) must be >= 0"):
         target.add_dummy_requests([2], [4], num_extra_decoding_steps=-1)
     with pytest.raises(ValueError, match=r"max_num_draft_tokens \(-2\)"):
@@ -479,7 +485,7 @@ def test_an_upstream_style_executor_step():
 
     # CUDA-graph warmup, upstream's call: generation dummies in both managers, then freed
     ids, token_nums = [1001, 1002], [20, 13]
-    dummies = target.add_dummy_requests(ids, token_nums, True, True, drafts, False, 1, 0, draft,
+    dummies = target.add_dummy_requests(ids, token_nums, True, False, True, drafts, None, False, 1, None, draft,
                                         history_hint=max(token_nums) - 1)
     assert all(d.is_generation_in_progress_state for d in dummies)
     for mgr in (target, draft):

@@ -27,7 +27,7 @@ from tensorrt_llm_draftkv import (
 )
 from tensorrt_llm_draftkv.request import ContextView
 from tensorrt_llm_draftkv.runtime import KVCache
-from support import ceil_div
+from support import strict, ceil_div
 
 ALL_MODES = list(Mode)
 EXTERNAL = [Mode.PARD, Mode.DFLASH, Mode.DSPARK, Mode.DRAFT_TARGET_ONE_MODEL]
@@ -305,7 +305,7 @@ def test_disagg_gen_init_sizing_under_both_views(record, mode, prompt):
     )
     with request_context(True, ctx([req])):
         assert mgr.admit_mirror(req)
-        mgr.prepare_disagg_gen_init(req)
+        assert mgr.prepare_disagg_gen_init(req)
     assert logs[5] == [(prompt + 1 + DRAFT + EXTRA, prompt)]
     cache = mgr.get_cache(5)
     assert (cache.capacity, cache.history_length) == (prompt + 1 + DRAFT + EXTRA, prompt)
@@ -318,7 +318,7 @@ def test_disagg_gen_init_legacy_is_a_whole_prompt_chunk_from_zero(record, mode):
     )
     logs = record(mgr)
     req = LlmRequest(5, prompt_len=4097, state=LlmRequestState.DISAGG_GENERATION_INIT)
-    mgr.prepare_disagg_gen_init(req)
+    assert mgr.prepare_disagg_gen_init(req)
     assert logs[5] == [(4097 + DRAFT + EXTRA, None)]
     assert mgr.get_cache(5).num_held_pages() == ceil_div(4097 + DRAFT + EXTRA, 16)
 
@@ -326,7 +326,7 @@ def test_disagg_gen_init_legacy_is_a_whole_prompt_chunk_from_zero(record, mode):
 def test_target_manager_disagg_gen_init_matches():
     mgr = KVCacheManagerV2.from_pool_config(config(windows=(64,)), max_draft_len=DRAFT, num_extra_kv_tokens=EXTRA)
     req = LlmRequest(5, prompt_len=4097, state=LlmRequestState.DISAGG_GENERATION_INIT)
-    mgr.prepare_disagg_gen_init(req)
+    assert mgr.prepare_disagg_gen_init(req)
     cache = mgr.get_cache(5)
     assert (cache.capacity, cache.history_length) == (4097 + 1 + DRAFT + EXTRA, 4097)
 
@@ -363,7 +363,7 @@ def test_the_trail_page_keeps_exactly_one_more_page_below_the_window():
     for mode in (Mode.DFLASH, Mode.PARD):
         mgr = DraftKVCacheManagerV2.from_pool_config(config(windows=(64,)), spec_mode=mode)
         req = LlmRequest(1, prompt_len=256, state=LlmRequestState.DISAGG_GENERATION_INIT)
-        mgr.prepare_disagg_gen_init(req)  # history 256, capacity 257
+        assert mgr.prepare_disagg_gen_init(req)  # history 256, capacity 257
         row = mgr.get_cache(1).block_row(0)
         held[mode] = [i for i, page in enumerate(row) if page != BAD_PAGE_INDEX]
     # Window 64: the query at 256 sees [193, 256] -> ordinals 12..16.
@@ -434,7 +434,7 @@ def test_a_mirror_that_cannot_grow_raises_with_the_pool_diagnostic(mode):
 def test_generation_resize_error_names_the_generation_phase():
     mgr = DraftKVCacheManagerV2.from_pool_config(config(windows=(None,), pages=3), spec_mode=Mode.DFLASH, max_draft_len=DRAFT)
     req = LlmRequest(21, prompt_len=40, state=LlmRequestState.DISAGG_GENERATION_INIT)
-    mgr.prepare_disagg_gen_init(req)  # 44 tokens: 3 pages, the whole pool
+    assert mgr.prepare_disagg_gen_init(req)  # 44 tokens: 3 pages, the whole pool
     req.state = LlmRequestState.GENERATION_IN_PROGRESS
     req.tokens += [1, 1, 1, 1, 1, 1, 1, 1, 1]  # 49 tokens: the next step needs 52 slots -> 4 pages
     before = state(mgr)
@@ -473,10 +473,10 @@ def test_exhausted_pool_fails_explicitly_and_leaks_nothing(full_pool, mode, kind
     elif kind == "disagg":
         fresh.state = LlmRequestState.DISAGG_GENERATION_INIT
         assert mgr.admit_mirror(fresh) is False
-        call = lambda: mgr.prepare_disagg_gen_init(fresh)  # noqa: E731
+        call = lambda: strict(mgr, mgr.prepare_disagg_gen_init(fresh))  # noqa: E731
         phase, cap = "generation", 24
     else:
-        call = lambda: mgr.add_dummy_requests([2], [20], is_gen=True, max_num_draft_tokens=DRAFT, history_hint=19)  # noqa: E731
+        call = lambda: strict(mgr, mgr.add_dummy_requests([2], [20], is_gen=True, max_num_draft_tokens=DRAFT, history_hint=19))  # noqa: E731
         phase, cap = "dummy", 23
     assert state(mgr) == before  # admit_mirror changed nothing
     with pytest.raises(KVCacheResizeError, match=rf"^Draft KV cache {phase} resize failed for request 2: "
@@ -497,7 +497,7 @@ def test_exhausted_pool_fails_explicitly_and_leaks_nothing(full_pool, mode, kind
 def test_a_failed_dummy_batch_frees_the_dummies_it_made():
     mgr = DraftKVCacheManagerV2.from_pool_config(config(windows=(64,), pages=5), spec_mode=Mode.DFLASH, max_draft_len=DRAFT)
     with pytest.raises(KVCacheResizeError, match="dummy resize failed for request 8"):
-        mgr.add_dummy_requests([7, 8], [40, 40], max_num_draft_tokens=DRAFT)  # 3 pages each
+        strict(mgr, mgr.add_dummy_requests([7, 8], [40, 40], max_num_draft_tokens=DRAFT))  # 3 pages each
     assert mgr.request_ids() == [] and mgr.free_pages() == (5,)
 
 
@@ -517,7 +517,7 @@ def test_admit_mirror_agrees_with_what_prepare_then_does(mode, pages):
     mgr = DraftKVCacheManagerV2.from_pool_config(config(windows=(48,), pages=pages), spec_mode=mode, max_draft_len=DRAFT)
     other = LlmRequest(50, prompt_len=30, state=LlmRequestState.DISAGG_GENERATION_INIT)
     if mgr.admit_mirror(other):
-        mgr.prepare_disagg_gen_init(other)
+        assert mgr.prepare_disagg_gen_init(other)
     reqs = [
         LlmRequest(1, prompt_len=150, target_view=ContextView(0, 40)),
         LlmRequest(2, prompt_len=100, state=LlmRequestState.DISAGG_GENERATION_INIT),
@@ -535,7 +535,7 @@ def test_admit_mirror_agrees_with_what_prepare_then_does(mode, pages):
             assert state(mgr) == before
             try:
                 if req.is_disagg_generation_init_state:
-                    mgr.prepare_disagg_gen_init(req)
+                    strict(mgr, mgr.prepare_disagg_gen_init(req))
                 elif req.is_context_init_state:
                     mgr.prepare_resources(ctx([req]))
                 else:
@@ -584,7 +584,7 @@ def test_update_resources_advances_history_even_when_the_next_slot_has_no_page(w
     """All drafts accepted on a full pool: history still follows the request, nothing is allocated."""
     mgr = DraftKVCacheManagerV2.from_pool_config(config(windows=windows, pages=3, p=4), spec_mode=Mode.DFLASH, max_draft_len=3)
     req = LlmRequest(1, prompt_len=4, state=LlmRequestState.DISAGG_GENERATION_INIT)
-    mgr.prepare_disagg_gen_init(req)  # capacity 8, history 4
+    assert mgr.prepare_disagg_gen_init(req)  # capacity 8, history 4
     req.state = LlmRequestState.GENERATION_IN_PROGRESS
     req.tokens.append(1)
     mgr.prepare_resources(gen([req]))  # capacity 4 + 4 = 8

@@ -139,7 +139,7 @@ def test_history_mirror_stays_within_the_estimate_and_never_fails(sc, data):
             if kind == "disagg":
                 req = LlmRequest(rid, prompt_len=prompt, state=LlmRequestState.DISAGG_GENERATION_INIT)
                 assert mgr.admit_mirror(req)
-                mgr.prepare_disagg_gen_init(req)
+                assert mgr.prepare_disagg_gen_init(req)
                 cache = mgr.get_cache(rid)
                 assert (cache.capacity, cache.history_length) == (prompt + 1 + drafts + extra, prompt)
                 req.state = LlmRequestState.GENERATION_IN_PROGRESS

@@ -24,7 +24,7 @@ from tensorrt_llm_draftkv import (
     SpeculativeDecodingMode as Mode,
 )
 from tensorrt_llm_draftkv.request import ContextView
-from support import ceil_div
+from support import ceil_div, strict
 
 
 def config(window, pages, p, sinks=0) -> KVPoolConfig:
@@ -168,7 +168,7 @@ def test_gen_init_mirror_survives_generation_updates(mode):
 
     req = LlmRequest(7, prompt_len=prompt, state=LlmRequestState.DISAGG_GENERATION_INIT)
     assert mgr.admit_mirror(req)
-    mgr.prepare_disagg_gen_init(req)
+    assert mgr.prepare_disagg_gen_init(req)
     cache = mgr.get_cache(7)
     assert (cache.capacity, cache.history_length) == (prompt + headroom, prompt)
     # The first generation query sits at the prompt end (position 65536).
@@ -215,7 +215,7 @@ def test_gen_init_mirror_survives_generation_updates(mode):
         # Legacy presents the request as a whole-prompt context chunk, and the error says so.
         match=rf"^Draft KV cache context resize failed for request 7: could not resize to {prompt + drafts + extra} tokens",
     ):
-        legacy.prepare_disagg_gen_init(fresh)
+        strict(legacy, legacy.prepare_disagg_gen_init(fresh))
     assert legacy.request_ids() == [] and legacy.free_pages() == (pages,)
 
 
@@ -248,7 +248,7 @@ def test_windowed_draft_pool_backs_only_the_window_of_a_generation_dummy(mode, t
         config(window, 32, p), spec_mode=mode, max_draft_len=drafts, num_extra_kv_tokens=extra, sizing="legacy"
     )
     with pytest.raises(KVCacheResizeError, match=rf"dummy resize failed for request 900: could not resize to {capacity} tokens \(history unchanged\)"):
-        legacy.add_dummy_requests([900], [tokens], is_gen=True, max_num_draft_tokens=drafts, history_hint=hint)
+        strict(legacy, legacy.add_dummy_requests([900], [tokens], is_gen=True, max_num_draft_tokens=drafts, history_hint=hint))
     assert legacy.request_ids() == [] and legacy.free_pages() == (32,)
     big = DraftKVCacheManagerV2.from_pool_config(
         config(window, 5000, p), spec_mode=mode, max_draft_len=drafts, num_extra_kv_tokens=extra, sizing="legacy"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from support import strict
+
 from tensorrt_llm_draftkv import (
     BAD_PAGE_INDEX,
     DraftKVCacheManagerV2,
@@ -35,7 +37,7 @@ def serve(mgr: KVCacheManagerV2, rid: int, prompt: list[int], *others: KVCacheMa
     req = gen_request(rid, prompt)
     hit = mgr.find_gen_init_hit(req)
     for m in (mgr, *others):
-        m.prepare_disagg_gen_init(req, reused_tokens=hit)
+        assert m.prepare_disagg_gen_init(req, reused_tokens=hit)
         m.publish_gen_init(req)
     check(mgr, *others)
     return req
@@ -60,7 +62,7 @@ def test_the_hit_is_taken_at_the_prompt_end_and_adopts_the_published_pages_share
     assert mgr.find_prefix_hit(b) == 0
     # At history m = 33 the window reads only ordinals >= 6: the whole shared prefix (7 pages) is a hit.
     assert mgr.find_gen_init_hit(b) == 28
-    mgr.prepare_disagg_gen_init(b, reused_tokens=28)
+    assert mgr.prepare_disagg_gen_init(b, reused_tokens=28)
     check(mgr)
     row_b = [mgr.get_cache(2).block_row(g) for g in (0, 1)]
     assert row_b[0][:7] == row_a[0][:7]  # the full group shares every prefix page
@@ -91,7 +93,7 @@ def test_a_prompt_that_differs_inside_the_prefix_only_adopts_the_pages_before_th
     other[13] += 1  # ordinal 3 differs: every later key of the chain differs too
     req = gen_request(2, other)
     assert mgr.find_gen_init_hit(req) == 12
-    mgr.prepare_disagg_gen_init(req, reused_tokens=12)
+    assert mgr.prepare_disagg_gen_init(req, reused_tokens=12)
     row = mgr.get_cache(2).block_row(0)
     assert row[:3] == row_a[:3] and set(row[3:]).isdisjoint(row_a)
     # the window group reads nothing below 12 at m = 33: it adopted nothing
@@ -115,14 +117,14 @@ def test_a_failing_generation_init_leaves_pools_caches_and_the_request_as_they_w
     b = gen_request(2, PREFIX + B_TAIL)
     assert mgr.find_gen_init_hit(b) == 28
     before = snapshot(mgr)
-    fields = (b.reused_tokens, b.target_view, b.state, list(b.tokens))
+    fields = (b.prepopulated_prompt_len, b.target_view, b.state, list(b.tokens))
     with pytest.raises(KVCacheResizeError) as err:  # B adopts 7 and needs ordinals 7, 8 afresh: 1 is free
-        mgr.prepare_disagg_gen_init(b, reused_tokens=28)
+        strict(mgr, mgr.prepare_disagg_gen_init(b, reused_tokens=28))
     assert err.value.request_id == 2 and err.value.phase == "generation"
     assert snapshot(mgr) == before and not mgr.has_cache(2)
-    assert (b.reused_tokens, b.target_view, b.state, list(b.tokens)) == fields
+    assert (b.prepopulated_prompt_len, b.target_view, b.state, list(b.tokens)) == fields
     mgr.free_resources(a)  # A's pages become cached-free: now it fits, on the same shared pages
-    mgr.prepare_disagg_gen_init(b, reused_tokens=28)
+    assert mgr.prepare_disagg_gen_init(b, reused_tokens=28)
     check(mgr)
 
 
@@ -132,12 +134,12 @@ def test_a_hit_the_pool_does_not_hold_or_a_bad_hit_is_refused_naming_the_request
     before = snapshot(mgr)
     fresh = gen_request(5, [50 + i for i in range(33)])
     with pytest.raises(KVCacheResizeError, match=r"request 5: .*reuses 8 prompt tokens.*block ordinals \[0, 1\]"):
-        mgr.prepare_disagg_gen_init(fresh, reused_tokens=8)
+        strict(mgr, mgr.prepare_disagg_gen_init(fresh, reused_tokens=8))
     for bad in (6, 36, -4):  # not a page multiple; past the last position to receive (m - 1 = 32); negative
         with pytest.raises(ValueError, match="request 5 reuses"):
-            mgr.prepare_disagg_gen_init(fresh, reused_tokens=bad)
+            strict(mgr, mgr.prepare_disagg_gen_init(fresh, reused_tokens=bad))
     with pytest.raises(ValueError, match="request 1 already holds a cache"):
-        mgr.prepare_disagg_gen_init(gen_request(1, PREFIX + A_TAIL), reused_tokens=28)
+        assert mgr.prepare_disagg_gen_init(gen_request(1, PREFIX + A_TAIL), reused_tokens=28)
     assert snapshot(mgr) == before and not mgr.has_cache(5)
 
 
@@ -161,7 +163,7 @@ def test_a_joint_draft_pool_adopts_the_same_prefix_and_the_hit_needs_both_pools(
     # at m = 31 ((32 - 12) // 4 = 5) and published [20, 28) = ordinals 5, 6 whole: the hit is 7 pages.
     assert target.find_gen_init_hit(b) == 28
     for m in (target, draft):
-        m.prepare_disagg_gen_init(b, reused_tokens=28)
+        assert m.prepare_disagg_gen_init(b, reused_tokens=28)
     row_a, row_b = draft.get_cache(1).block_row(0), draft.get_cache(2).block_row(0)
     assert row_b[5:7] == row_a[5:7] and row_b[:5] == [BAD_PAGE_INDEX] * 5
     assert all(draft.layer_groups[0].pool.refcount(p) == 2 for p in row_a[5:7])
@@ -181,6 +183,6 @@ def test_a_joint_draft_pool_adopts_the_same_prefix_and_the_hit_needs_both_pools(
     assert target.find_gen_init_hit(c) == 20
     pool.release([p for p in range(pool.total) if pool.refcount(p)], owner="filler")
     for m in (target, draft):
-        m.prepare_disagg_gen_init(c, reused_tokens=20)
+        assert m.prepare_disagg_gen_init(c, reused_tokens=20)
     assert draft.get_cache(3).block_row(0)[:5] == [BAD_PAGE_INDEX] * 5
     check(target, draft)

@@ -9,6 +9,8 @@ disagg init    capacity = prompt + 1 + drafts + extra, history = prompt
 from __future__ import annotations
 
 import pytest
+
+from support import strict
 import torch
 
 from tensorrt_llm_draftkv import (
@@ -236,7 +238,7 @@ def test_prepare_disagg_gen_init(prompt):
     mgr = make_mgr(window=window, p=p, draft=draft, extra=extra)
     req = LlmRequest(11, prompt_len=prompt, state=LlmRequestState.DISAGG_GENERATION_INIT)
     req.tokens.append(0)  # the first token came with the transfer
-    mgr.prepare_disagg_gen_init(req)
+    assert mgr.prepare_disagg_gen_init(req)
     cache = mgr.get_cache(11)
     assert (cache.capacity, cache.history_length) == (prompt + 1 + draft + extra, prompt)
     check_rows(mgr, 11)
@@ -261,7 +263,7 @@ def test_disagg_gen_init_out_of_pages_raises_and_leaves_nothing():
     req = LlmRequest(12, prompt_len=100, state=LlmRequestState.DISAGG_GENERATION_INIT)
     before = state(mgr)
     with pytest.raises(KVCacheResizeError, match=r"generation resize failed for request 12: could not resize to 101"):
-        mgr.prepare_disagg_gen_init(req)
+        strict(mgr, mgr.prepare_disagg_gen_init(req))
     assert state(mgr) == before and not mgr.has_cache(12)
 
 
@@ -278,9 +280,14 @@ def test_add_dummy_requests_history_hint_backs_only_the_window():
         check_rows(mgr, rid)
         assert cache.num_held_pages(0) == -(-203 // p) - (200 - window) // p
         assert cache.num_held_pages(1) == -(-203 // p)
-    # without a hint: every block of the windowed group is backed
+    # without a hint, as upstream: a generation dummy's history is its own position (tokens - 1),
+    # so the windowed group backs only the window (it used to back all 10 blocks)
     mgr.add_dummy_requests([102], [40], is_gen=True)
-    assert mgr.get_cache(102).num_held_pages(0) == 10
+    assert mgr.get_cache(102).history_length == 39
+    assert mgr.get_cache(102).num_held_pages(0) == 10 - (40 - window) // p
+    # materialize_history=True: the whole history is backed
+    mgr.add_dummy_requests([105], [40], is_gen=True, materialize_history=True)
+    assert mgr.get_cache(105).num_held_pages(0) == 10 and mgr.get_cache(105).history_length == 0
     # a hint past the dummy's own position (tokens - 1) is clamped there
     mgr.add_dummy_requests([103], [10], is_gen=True, history_hint=50)
     assert (mgr.get_cache(103).capacity, mgr.get_cache(103).history_length) == (10, 9)
@@ -303,7 +310,7 @@ def test_add_dummy_requests_errors_roll_back():
         mgr.add_dummy_requests([5, 6], [4])
     assert state(mgr) == before
     with pytest.raises(KVCacheResizeError, match=r"dummy resize failed for request 7"):
-        mgr.add_dummy_requests([6, 7], [8, 40])  # the second needs 10 full pages, 7 free after the first
+        strict(mgr, mgr.add_dummy_requests([6, 7], [8, 40]))  # the second needs 10 full pages, 7 free after the first
     assert state(mgr) == before
 
 
@@ -436,7 +443,7 @@ def test_guard_page_never_handed_out_when_the_pool_is_full():
         assert pool.num_held + pool.num_free == pool.total == pages
     before = state(mgr)
     with pytest.raises(KVCacheResizeError, match="request 2"):
-        mgr.add_dummy_requests([2], [1])
+        strict(mgr, mgr.add_dummy_requests([2], [1]))
     assert state(mgr) == before
 
 

@@ -56,7 +56,18 @@ def test_history_is_the_default_rule_set():
 @pytest.mark.parametrize("joint", [False, True])
 def test_history_rules_send_only_external_drafters_to_the_target_view(mode, joint):
     policy = MirrorPolicy(mode, MirrorSizing.HISTORY, joint)
-    assert rules.mirror_uses_draft_view(policy) is (mode not in EXTERNAL)
+    # A pool that joins the target's block reuse shares the target's progress: the target view for
+    # every drafter (upstream's request_context(not joint, batch)); otherwise only external drafters.
+    assert rules.mirror_uses_draft_view(policy) is (not joint and mode not in EXTERNAL)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("joint", [False, True])
+def test_only_external_drafters_pass_a_history_with_a_context_resize(mode, joint):
+    # MTP, Eagle3 and two-engine drafters keep the old resize(capacity) whichever view they read
+    policy = MirrorPolicy(mode, MirrorSizing.HISTORY, joint)
+    history = rules.context_history(policy, start=96, mirror_covers_start=True)
+    assert history == (96 if mode in EXTERNAL else None)
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)

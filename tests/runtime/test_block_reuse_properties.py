@@ -162,20 +162,20 @@ def test_random_shared_prefix_traffic_keeps_every_reuse_invariant(w, data):
             )
             if not batch.batch_size:
                 continue
-            before = whole_state(target), whole_state(draft), [(r.target_view.position, r.reused_tokens) for r in batch.all_requests()]
+            before = whole_state(target), whole_state(draft), [(r.target_view.position, r.prepopulated_prompt_len) for r in batch.all_requests()]
             try:
                 target.prepare_resources(batch)
             except KVCacheResizeError:
                 event("target prepare refused")
-                after = whole_state(target), whole_state(draft), [(r.target_view.position, r.reused_tokens) for r in batch.all_requests()]
+                after = whole_state(target), whole_state(draft), [(r.target_view.position, r.prepopulated_prompt_len) for r in batch.all_requests()]
                 assert after == before
                 continue
             draft.prepare_resources(batch)  # roomy: never refuses
             ran += batch.all_requests()
             for r in batch.context_requests:
-                if r.reused_tokens and r.target_view.position == r.reused_tokens:
+                if r.prepopulated_prompt_len and r.target_view.position == r.prepopulated_prompt_len:
                     hits += 1
-                    assert r.reused_tokens % p == 0 and r.reused_tokens < r.prompt_len
+                    assert r.prepopulated_prompt_len % p == 0 and r.prepopulated_prompt_len < r.prompt_len
             check(target, live, t_charge)
             check(draft, live, d_charge)
         if not ran:

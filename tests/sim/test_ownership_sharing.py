@@ -131,7 +131,7 @@ def test_a_shared_prefix_page_is_read_by_every_holder_and_written_by_none():
     _prefill(first, target, draft, chk)
     second = _request(2, PREFIX + [5, 6, 7])
     _prefill(second, target, draft, chk)
-    assert second.reused_tokens == 28
+    assert second.prepopulated_prompt_len == 28
     row1, row2 = draft.get_cache(1).block_row(FULL), draft.get_cache(2).block_row(FULL)
     shared = row2[0]
     assert row1[:7] == row2[:7] and chk.holders(FULL, shared) == {1, 2}
@@ -192,7 +192,7 @@ def test_a_later_request_revives_the_cached_free_prefix_pages():
     heard.clear()
     third = _request(3, PREFIX + [9, 9])
     _prefill(third, target, draft, chk)
-    assert third.reused_tokens == 28 and (FULL, "allocate", 3) in heard and (FULL, "share", 3) not in heard
+    assert third.prepopulated_prompt_len == 28 and (FULL, "allocate", 3) in heard and (FULL, "share", 3) not in heard
     row = draft.get_cache(3).block_row(FULL)
     assert all(chk.holders(FULL, p) == {3} and chk.is_published(FULL, p) for p in row[:7])
     _access(chk, "read", 3, FULL, 3, row[3])
@@ -272,7 +272,7 @@ def test_eviction_under_pool_pressure_leaves_the_map_equal_to_the_pools():
     # The prefix lost pages in the draft pool: a joint hit is shorter (or none), and still consistent.
     late = _request(5, PREFIX + [2])
     _prefill(late, target, draft, chk)
-    assert late.reused_tokens < 28
+    assert late.prepopulated_prompt_len < 28
     _finish(5, target, draft, chk)
     assert chk.holders_of == {} and chk.violations == 0
 
@@ -285,7 +285,7 @@ def test_a_rolled_back_batch_plays_the_inverse_events_and_the_map_follows():
     _finish(6, target, draft, chk)  # its 3 full pages are cached-free: evicted by the filler below
     live = _request(2, PREFIX + [5, 6])
     target.prepare_resources(ScheduledRequests([live]))  # the target's hit: the mirror shares it
-    assert live.reused_tokens == 28
+    assert live.prepopulated_prompt_len == 28
     filler = _request(7, list(range(700, 752)), chunk=52)  # more than the plain free pages left
     huge = _request(8, list(range(800, 1000)), chunk=200)  # more than the draft pool has: the batch fails
     heard: list[tuple[str, object]] = []

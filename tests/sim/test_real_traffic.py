@@ -157,7 +157,7 @@ def _live_batch(mgr):
     b = LlmRequest(2, prompt_len=300, state=LlmRequestState.DISAGG_GENERATION_INIT)
     b.tokens.append(5)
     mgr.prepare_resources(ScheduledRequests(context_requests=[a]))
-    mgr.prepare_disagg_gen_init(b)
+    assert mgr.prepare_disagg_gen_init(b)
     b.state = LlmRequestState.GENERATION_IN_PROGRESS
     b.tokens.extend([1, 2, 3])  # accepted tokens: update_resources would advance its history
     a.target_view.position = 100  # the executor advanced the view: update_context_resources would too
@@ -165,33 +165,47 @@ def _live_batch(mgr):
     return a, b
 
 
-@pytest.mark.parametrize("draft", [True, False])
-@pytest.mark.parametrize("call", ["update_resources", "update_context_resources", "free_resources"])
-def test_every_batch_call_is_all_or_nothing_over_unknown_ids(draft, call):
-    mgr = _draft_mgr(windows=(32, None)) if draft else KVCacheManagerV2.from_pool_config(_draft_mgr(windows=(32, None)).config)
-    a, b = _live_batch(mgr)
+def _manager_for(draft: bool):
+    return _draft_mgr(windows=(32, None)) if draft else KVCacheManagerV2.from_pool_config(_draft_mgr(windows=(32, None)).config)
+
+
+def _stranger() -> LlmRequest:
     stranger = LlmRequest(99, prompt_len=50, state=LlmRequestState.GENERATION_IN_PROGRESS)
     stranger.tokens.append(1)
     stranger.target_view = ContextView(50, 0)
-    batch = ScheduledRequests(context_requests=[a, stranger], generation_requests=[b, stranger])
-    if call == "update_context_resources":
-        batch = ScheduledRequests(context_requests=[a, stranger])
-    elif call == "update_resources":
-        batch = ScheduledRequests(generation_requests=[b, stranger])
+    return stranger
+
+
+@pytest.mark.parametrize("draft", [True, False])
+def test_freeing_a_list_with_an_unknown_id_is_all_or_nothing(draft):
+    mgr = _manager_for(draft)
+    a, b = _live_batch(mgr)
     before = full_state(mgr)
-    arg = [a, b, 99] if call == "free_resources" else batch
     with pytest.raises(KeyError, match="request 99"):
-        getattr(mgr, call)(arg)
+        mgr.free_resources([a, b, 99])
     assert full_state(mgr) == before
-    # the same call without the stranger changes state (so the test above could fail)
-    if call == "free_resources":
-        mgr.free_resources([a, b])
-        assert mgr.request_ids() == []
+    mgr.free_resources([a, b])  # the same call without the stranger frees (so the test above could fail)
+    assert mgr.request_ids() == []
+    mgr.check_accounting()
+
+
+@pytest.mark.parametrize("draft", [True, False])
+@pytest.mark.parametrize("call", ["update_resources", "update_context_resources"])
+def test_updates_skip_a_request_without_a_cache_and_update_the_rest(draft, call):
+    # Upstream's convention: an update skips what it holds no cache for. The rest of the batch is
+    # updated exactly as without the stranger (a twin manager shows what that is).
+    mgr, twin = _manager_for(draft), _manager_for(draft)
+    a, b = _live_batch(mgr)
+    ta, tb = _live_batch(twin)
+    before = full_state(mgr)
+    if call == "update_context_resources":
+        batch, alone = ScheduledRequests(context_requests=[a, _stranger()]), ScheduledRequests(context_requests=[ta])
     else:
-        good = ScheduledRequests(context_requests=[a]) if call == "update_context_resources" else \
-            ScheduledRequests(generation_requests=[b])
-        getattr(mgr, call)(good)
-        assert full_state(mgr) != before
+        batch, alone = ScheduledRequests(generation_requests=[b, _stranger()]), ScheduledRequests(generation_requests=[tb])
+    getattr(mgr, call)(batch)
+    getattr(twin, call)(alone)
+    assert full_state(mgr) == full_state(twin) != before
+    assert not mgr.has_cache(99)
     mgr.check_accounting()
 
 
@@ -329,7 +343,7 @@ def test_a_target_manager_sizes_the_same_whatever_drafter_runs(mode, sizing):
             req.advance_context_chunk(64)
         mgr.update_context_resources(batch)
         mgr.prepare_resources(batch)
-        mgr.prepare_disagg_gen_init(gen)
+        assert mgr.prepare_disagg_gen_init(gen)
         gen.state = LlmRequestState.GENERATION_IN_PROGRESS
         mgr.update_resources(ScheduledRequests(generation_requests=[gen]))
         mgr.add_dummy_requests([9], [70], is_gen=True, max_num_draft_tokens=3, history_hint=69)

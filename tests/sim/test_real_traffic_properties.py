@@ -18,6 +18,8 @@ mirror, a repeated dummy id). After every operation:
 from __future__ import annotations
 
 import pytest
+
+from support import strict
 import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -165,10 +167,13 @@ def reject_one(loop: DraftLoop, data, live: list[int]) -> None:
     stranger.target_view = ContextView(50, 0)
     known = [loop.requests[r] for r in live]
     kind = data.draw(st.sampled_from(["update", "update_ctx", "free", "missing_mirror", "dummy_twice", "evict"]))
-    if kind == "update":
-        rejected(loop, lambda: dm.update_resources(ScheduledRequests(generation_requests=[*known, stranger])))
-    elif kind == "update_ctx":
-        rejected(loop, lambda: dm.update_context_resources(ScheduledRequests(context_requests=[*known, stranger])))
+    if kind in ("update", "update_ctx"):  # as upstream, an update skips a request with no mirror here
+        before = everything(loop)
+        if kind == "update":
+            dm.update_resources(ScheduledRequests(generation_requests=[stranger]))
+        else:
+            dm.update_context_resources(ScheduledRequests(context_requests=[stranger]))
+        assert same(everything(loop), before) and not dm.has_cache(10_000)
     elif kind == "free":
         rejected(loop, lambda: dm.free_resources([*live, 10_000]))
     elif kind == "missing_mirror":
@@ -179,6 +184,6 @@ def reject_one(loop: DraftLoop, data, live: list[int]) -> None:
         rejected(loop, lambda: dm.add_dummy_requests([20_000, taken], [5, 5], max_num_draft_tokens=dm.max_draft_len))
     elif kind == "dummy_twice":  # a pool too small for the second dummy: the first is undone
         huge = 10 * dm.pools()[0].total * dm.tokens_per_block
-        rejected(loop, lambda: dm.add_dummy_requests([20_000, 20_001], [5, huge], max_num_draft_tokens=1))
+        rejected(loop, lambda: strict(dm, dm.add_dummy_requests([20_000, 20_001], [5, huge], max_num_draft_tokens=1)))
     else:
         rejected(loop, lambda: meta.evict(10_000))

@@ -31,7 +31,7 @@ def geometry_of(loop: DraftLoop, form: HandoffForm = HandoffForm.KV, hidden_size
 def gen_init(loop: DraftLoop, rid: int, m: int) -> LlmRequest:
     """A generation worker's new request of an m-token prompt (tokens: the prompt and the first output)."""
     req = LlmRequest(rid, m, tokens=truth(m + 1, rid), state=LlmRequestState.DISAGG_GENERATION_INIT)
-    loop.dm.prepare_disagg_gen_init(req)
+    assert loop.dm.prepare_disagg_gen_init(req)
     req.state = LlmRequestState.GENERATION_IN_PROGRESS
     return req
 
