@@ -1,35 +1,46 @@
 """Draft-KV pool sizing and addressing for speculative decoding drafters.
 
-See README.md for what the package fixes and how an executor uses it.
+See README.md for what the package fixes and how an executor uses it; docs/upstream.md
+lists every name that carries TensorRT-LLM's signature.
 """
+from .bindings import CacheType, DataType
 from .config import KVPoolConfig, LayerGroupConfig, SpeculativeDecodingMode
+from .llmapi import (
+    DecodingBaseConfig,
+    DFlashDecodingConfig,
+    DSparkDecodingConfig,
+    KvCacheConfig,
+    get_num_extra_kv_tokens,
+    should_use_separate_draft_kv_cache,
+)
 from .manager import DraftKVCacheManagerV2, KVCacheManagerV2, KVCacheResizeError, MirrorSizing, MissingKVCacheError
+from .mapping import Mapping
 from .request import LlmRequest, LlmRequestState, ScheduledRequests, request_context
 from .runtime import BAD_PAGE_INDEX
 from .speculative import DFlashSpecMetadata
 
 __all__ = [
     "BAD_PAGE_INDEX",
+    "CacheType",
+    "DataType",
+    "DecodingBaseConfig",
+    "DFlashDecodingConfig",
     "DFlashSpecMetadata",
+    "DSparkDecodingConfig",
     "DraftKVCacheManagerV2",
     "KVCacheManagerV2",
-    "MirrorSizing",
     "KVCacheResizeError",
-    "MissingKVCacheError",
     "KVPoolConfig",
+    "KvCacheConfig",
     "LayerGroupConfig",
     "LlmRequest",
     "LlmRequestState",
+    "Mapping",
+    "MirrorSizing",
+    "MissingKVCacheError",
     "ScheduledRequests",
     "SpeculativeDecodingMode",
+    "get_num_extra_kv_tokens",
     "request_context",
+    "should_use_separate_draft_kv_cache",
 ]
-
-
-def __getattr__(name: str):
-    """`KvCacheConfig`: a deprecated alias of `KVPoolConfig` (warns DeprecationWarning)."""
-    from . import config as _config
-
-    if name in _config._DEPRECATED_ALIASES:
-        return _config._deprecated_alias(__name__, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -248,8 +248,8 @@ class KVPoolConfig:
     part only with `joint_kv_cache_reuse`.
 
     Not TensorRT-LLM's user-facing `KvCacheConfig` (memory fraction, max tokens,
-    block reuse): this is only the pools' geometry. `KvCacheConfig` remains here as
-    a deprecated alias of this class for one release.
+    block reuse; `tensorrt_llm_draftkv.llmapi.KvCacheConfig`): this is only the pools'
+    geometry, what `KVCacheManagerV2.from_pool_config` builds from.
     """
 
     layer_groups: tuple[LayerGroupConfig, ...]
@@ -290,27 +290,3 @@ class KVPoolConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_seq_len // self.tokens_per_block)
-
-
-# -- deprecated names ------------------------------------------------------------------
-_DEPRECATED_ALIASES = {"KvCacheConfig": "KVPoolConfig"}
-
-
-def _deprecated_alias(module_name: str, name: str):
-    """The object a deprecated name stands for, after a DeprecationWarning naming the new name."""
-    import warnings
-
-    new = _DEPRECATED_ALIASES[name]
-    warnings.warn(
-        f"{module_name}.{name} is deprecated and will be removed in the next release; use {new} "
-        f"(it is the pool geometry, not TensorRT-LLM's LLM-API KvCacheConfig)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return globals()[new]
-
-
-def __getattr__(name: str):
-    if name in _DEPRECATED_ALIASES:
-        return _deprecated_alias(__name__, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

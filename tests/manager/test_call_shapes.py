@@ -13,7 +13,6 @@ from __future__ import annotations
 import inspect
 import subprocess
 import sys
-import warnings
 
 import pytest
 
@@ -414,22 +413,19 @@ def test_a_draft_managers_prepare_opens_request_context_itself_as_upstream(flag)
 
 
 # =============================================================================================
-# KVPoolConfig and its deprecated alias
+# KVPoolConfig (our pool geometry) and KvCacheConfig (upstream's LLM-API budget) are two names
 # =============================================================================================
-def test_kv_pool_config_is_exported_and_the_old_name_warns():
-    assert "KVPoolConfig" in tensorrt_llm_draftkv.__all__ and "KvCacheConfig" not in tensorrt_llm_draftkv.__all__
-    for module in (tensorrt_llm_draftkv, config_module):
-        with pytest.warns(DeprecationWarning, match=r"KvCacheConfig is deprecated .*use KVPoolConfig"):
-            alias = module.KvCacheConfig
-        assert alias is KVPoolConfig
-    with pytest.warns(DeprecationWarning, match="use KVPoolConfig"):
-        made = tensorrt_llm_draftkv.KvCacheConfig(layer_groups=(LayerGroupConfig(1),), pages_per_group=(4,))
-    assert made == KVPoolConfig(layer_groups=(LayerGroupConfig(1),), pages_per_group=(4,))
+def test_kv_cache_config_is_upstreams_budget_and_kv_pool_config_our_geometry():
+    from tensorrt_llm_draftkv.llmapi import KvCacheConfig as llmapi_config
+
+    assert {"KVPoolConfig", "KvCacheConfig"} <= set(tensorrt_llm_draftkv.__all__)
+    assert tensorrt_llm_draftkv.KvCacheConfig is llmapi_config and not hasattr(config_module, "KvCacheConfig")
+    budget = tensorrt_llm_draftkv.KvCacheConfig(max_tokens=4096)
+    assert (budget.free_gpu_memory_fraction, budget.enable_block_reuse, budget.tokens_per_block) == (0.9, True, 32)
+    with pytest.raises(TypeError):
+        tensorrt_llm_draftkv.KvCacheConfig(layer_groups=(LayerGroupConfig(1),), pages_per_group=(4,))
     with pytest.raises(AttributeError, match="has no attribute 'NoSuchConfig'"):
         tensorrt_llm_draftkv.NoSuchConfig  # noqa: B018
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        from tensorrt_llm_draftkv import KVPoolConfig as again  # noqa: F401  # the new name never warns
 
 
 def test_the_library_itself_never_uses_the_deprecated_name():
