@@ -433,3 +433,35 @@ def test_keep_drafter_window_refuses_a_joint_partner_and_a_pool_without_reuse():
     plain = KVCacheManagerV2.from_pool_config(config(groups=((None, 0),), reuse=False))
     with pytest.raises(ValueError, match="needs block reuse"):
         plain.keep_drafter_window(joint)
+
+
+def test_a_joint_hit_checks_the_drafters_window_with_its_trail_page():
+    """Upstream's staging-lender check, here: a joint DFlash draft pool's hit rule reads the window
+    widened by the trail page. Target full attention; draft window 8 (12 with the trail page), P 4,
+    a 31-token prompt prefilled in chunks of 16. The draft pool then has ordinals 5 and 6 published
+    but not 4 (released at history 31 before it was published), so the unwidened window (8 tokens,
+    ordinals >= 5 at a 28-token hit) would accept 28 and read ordinal 4 through the trail page."""
+    from tensorrt_llm_draftkv.manager import prefix_reuse
+    from tensorrt_llm_draftkv.runtime.prefix_cache import longest_valid_prefix
+
+    target = KVCacheManagerV2.from_pool_config(config(groups=((None, 0),)), max_draft_len=2)
+    draft = DraftKVCacheManagerV2.from_pool_config(config(groups=((8, 0),)), spec_mode=Mode.DFLASH, max_draft_len=2,
+                                                   joint_kv_cache_reuse=True)
+    target.pair_joint_reuse(draft)
+    assert draft.windows == (12,)
+    prefill(request(1, PREFIX + [1, 2, 3], chunk=16), target, draft, chunk=16)
+    second = request(2, PREFIX + [5, 6, 7], chunk=16)
+    found = prefix_reuse.lookup(draft, second, 7)
+    present = found.present()
+    assert present[0][4] is False and present[0][5] and present[0][6]
+    assert longest_valid_prefix([(8, 0)], present, 7, P) == 7  # what the window without its trail page would take
+    assert target.find_prefix_hit(second) == 16
+    batch = ScheduledRequests([second])
+    target.prepare_resources(batch)
+    draft.prepare_resources(batch)
+    assert second.prepopulated_prompt_len == 16
+    # at history 16 the widened window reads ordinals >= (16 + 1 - 12) // 4 = 1: all adopted, backed
+    assert draft.get_cache(2).history_length == 16
+    assert all(page >= 0 for page in draft.get_cache(2).block_row(0)[1:4])
+    prefill(second, target, draft, chunk=16)
+    check(target, draft)
