@@ -482,11 +482,7 @@ class KVCacheManagerV2:
                 request_ids=missing,
             )
         self._check_unique(batch)
-        suspended = [r.py_request_id for r in batch.all_requests() if r.py_request_id in self._suspended]
-        if suspended:
-            raise ValueError(
-                f"{self.error_label}: requests {suspended} are suspended; resume_request before scheduling them"
-            )
+        self._resume_scheduled(batch)
         steps = [(r, "context", self.sizing_rules.context) for r in batch.context_requests]
         steps += [(r, "generation", self.sizing_rules.generation) for r in batch.generation_requests]
         views = [(r, target_view(r), reused_prefix(r)) for r in batch.context_requests]
@@ -501,6 +497,34 @@ class KVCacheManagerV2:
                 if reused_prefix(req) != reused:
                     req.prepopulated_prompt_len = reused
             raise
+
+    def _resume_scheduled(self, batch: ScheduledRequests) -> None:
+        """A scheduled request whose cache is suspended is resumed first, as upstream's draft manager
+        does; a refused resume raises `KVCacheResizeError` ("Failed to resume ...", phase "resume")
+        before anything changes, never a silent skip."""
+        suspended = [r for r in batch.all_requests() if r.py_request_id in self._suspended]
+        if not suspended:
+            return
+        refusal = self._resume_refusal(suspended[0].py_request_id)
+        if refusal is not None:
+            raise KVCacheResizeError(
+                f"Failed to resume {self.missing_label} for request {suspended[0].py_request_id}"
+                + (f" (and {[r.py_request_id for r in suspended[1:]]})" if len(suspended) > 1 else "")
+                + f": {refusal}\n" + self.pool_diagnostic(),
+                request_id=suspended[0].py_request_id, phase="resume",
+                capacity=self._caches[suspended[0].py_request_id].capacity,
+                history=self._caches[suspended[0].py_request_id].history_length,
+            )
+        for req in suspended:
+            self._suspended.discard(req.py_request_id)
+
+    def _resume_refusal(self, rid: int) -> str | None:
+        """Why a suspended cache may not resume now (upstream's pressure rule), or None."""
+        limit = 1.0 if self._upstream_args is None else self._upstream_args.kv_cache_config.max_util_for_resume
+        used = max((1 - p.num_free / p.total) if p.total else 1.0 for p in self.pools())
+        if used > limit:
+            return f"the fullest pool is {used:.0%} used, above max_util_for_resume {limit:.0%}"
+        return None
 
     def _check_unique(self, batch: ScheduledRequests) -> None:
         ids = [r.py_request_id for r in batch.all_requests()]
@@ -747,12 +771,10 @@ class KVCacheManagerV2:
             return False
         if rid not in self._suspended:
             return True
-        limit = 1.0 if self._upstream_args is None else self._upstream_args.kv_cache_config.max_util_for_resume
-        used = max((1 - p.num_free / p.total) if p.total else 1.0 for p in self.pools())
-        if used > limit:
+        refusal = self._resume_refusal(rid)
+        if refusal is not None:
             self.last_refusal = KVCacheResizeError(
-                f"{self.error_label}: request {rid} stays suspended: the fullest pool is {used:.0%} used, above "
-                f"max_util_for_resume {limit:.0%}\n" + self.pool_diagnostic(),
+                f"{self.error_label}: request {rid} stays suspended: {refusal}\n" + self.pool_diagnostic(),
                 request_id=rid, phase="resume", capacity=self._caches[rid].capacity,
                 history=self._caches[rid].history_length,
             )

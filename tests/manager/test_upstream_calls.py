@@ -300,8 +300,10 @@ def test_suspended_requests_are_skipped_and_resume_waits_for_the_pool_to_drain()
     a.tokens += [3, 4]
     mgr.update_resources(gen(a, b))  # a is skipped, b is updated
     assert rows(mgr)[1] == held and mgr.get_history_length(b) == 20
-    with pytest.raises(ValueError, match=r"requests \[1\] are suspended; resume_request"):
-        mgr.prepare_resources(gen(a))
+    before = (pools(mgr), rows(mgr))
+    with pytest.raises(KVCacheResizeError, match=r"^Failed to resume KV cache for request 1: the fullest pool is 75% used"):
+        mgr.prepare_resources(gen(a, b))  # scheduled while the pool is too full to resume it: refused, nothing changed
+    assert (pools(mgr), rows(mgr)) == before and not mgr.is_request_active(1)
     # 6 of 8 full pages held (75 %) > 50 %: resume refused, explicitly
     assert mgr.resume_request(a) is False and not mgr.is_request_active(1)
     assert "stays suspended: the fullest pool is 75% used, above max_util_for_resume 50%" in str(mgr.last_refusal)
