@@ -6,7 +6,7 @@ then times generation steps: one `prepare_resources` plus one
 `update_resources`, with three tokens accepted per step (mean over 64 steps). Two sweeps: the batch
 (B = 1 .. 1024 at a 131k prompt) and the prompt (32k .. 2M at B = 64). Then,
 at B = 256 with max_seq_len 528k, the block-offset export and
-`DFlashSpecMetadata.prepare`, each beside a baseline in the same run: the
+`DFlashDraftSlots.prepare`, each beside a baseline in the same run: the
 baseline converts every row of the batch from scratch at max_blocks_per_seq
 columns (and decodes the offsets with the torch reference), as the export did
 before it kept numpy rows. A manager step runs between timed calls, so rows
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from tensorrt_llm_draftkv import (
-    DFlashSpecMetadata,
+    DFlashDraftSlots,
     DraftKVCacheManagerV2,
     KVCacheManagerV2,
     KVPoolConfig,
@@ -140,7 +140,7 @@ def export_and_prepare(batch: int, prompt: int, max_seq_len: int, steps: int) ->
     reqs = _generation_requests(dm, batch, prompt)
     ids = [r.py_request_id for r in reqs]
     batch_ = ScheduledRequests(generation_requests=reqs)
-    meta = DFlashSpecMetadata(batch, block_size=DRAFTS + 1, tokens_per_block=P, max_ctx_len=max_seq_len, fused=False)
+    meta = DFlashDraftSlots(batch, block_size=DRAFTS + 1, tokens_per_block=P, max_ctx_len=max_seq_len, fused=False)
     kept = torch.zeros((dm.num_pools, batch, 2, dm.config.max_blocks_per_seq), dtype=torch.int32)
     _freeze_setup()
     timed = {
@@ -152,7 +152,7 @@ def export_and_prepare(batch: int, prompt: int, max_seq_len: int, steps: int) ->
             kept, ids, 1, 0, len(ids), max_blocks=max(dm.get_cache(i).num_blocks for i in ids)
         ),
         "prepare_baseline_tables": lambda: baseline_tables(dm, ids, "cpp"),
-        "prepare": lambda: meta.prepare(batch_, dm),
+        "prepare": lambda: meta.prepare_step(batch_, dm),
     }
     times: dict[str, list[float]] = {name: [] for name in timed}
     for _ in range(steps):

@@ -11,9 +11,9 @@ Every step makes the executor's calls in order:
 
     target.prepare_resources(batch)         # size the target caches
     draft.prepare_resources(batch)          # size the draft mirrors (request_context(True, batch) inside)
-    meta.prepare(batch, draft)              # rows -> drafter slots; fresh generation slots get a base
+    meta.prepare_step(batch, draft)              # rows -> drafter slots; fresh generation slots get a base
     ...target forward...                    # here: random K/V at the target's pages
-    meta.plan_context_store(req, positions) # context rows: where the drafter stores the chunk's K/V
+    meta.advance_slot_for_context(req, positions) # context rows: where the drafter stores the chunk's K/V
     meta.prepare_generation({rid: n})       # generation rows: where the n accepted tokens and the block go
     target.update_context_resources(batch); target.update_resources(batch)
     draft.update_context_resources(batch);  draft.update_resources(batch)
@@ -30,7 +30,7 @@ import torch
 
 from tensorrt_llm_draftkv import (
     BAD_PAGE_INDEX,
-    DFlashSpecMetadata,
+    DFlashDraftSlots,
     DraftKVCacheManagerV2,
     KVCacheManagerV2,
     KVPoolConfig,
@@ -88,7 +88,7 @@ draft = DraftKVCacheManagerV2.from_pool_config(
     num_extra_kv_tokens=BLOCK,  # sizing="history" (the fix) is the default
 )
 assert draft.pages_per_request_charge(CHUNK) == (draft_charge,)  # the manager charges what we sized
-meta = DFlashSpecMetadata(REQUESTS, block_size=BLOCK, tokens_per_block=P, max_ctx_len=MAX_SEQ, draft_manager=draft)
+meta = DFlashDraftSlots(REQUESTS, block_size=BLOCK, tokens_per_block=P, max_ctx_len=MAX_SEQ, draft_manager=draft)
 
 
 # -- what a model would write -----------------------------------------------------------------------
@@ -133,12 +133,12 @@ def context_step(req: LlmRequest) -> None:
     batch = ScheduledRequests(context_requests=[req])
     target.prepare_resources(batch)
     draft.prepare_resources(batch)
-    meta.prepare(batch, draft)
+    meta.prepare_step(batch, draft)
     start = req.target_view.position
     end = start + req.target_view.chunk_size
     first = target_forward(req, start, end)
     # The drafter's K/V of the chunk (from the target's hidden states) at the slot's store targets.
-    plan = meta.plan_context_store(req, torch.arange(start, end))
+    plan = meta.advance_slot_for_context(req, torch.arange(start, end))
     for g in range(draft.num_pools):
         write_kv(draft, g, plan.pages[g], plan.offsets)
     req.advance_context_chunk(CHUNK)
@@ -153,7 +153,7 @@ def generation_step(batch: ScheduledRequests) -> None:
     """Verify each row's drafts, store the accepted tokens and the next block, propose new drafts."""
     target.prepare_resources(batch)
     draft.prepare_resources(batch)
-    meta.prepare(batch, draft)
+    meta.prepare_step(batch, draft)
     for rid, seed in meta.seeds.items():
         print(f"  request {rid}: fresh slot seeded at L={seed.ctx_len} with base b={seed.base_pages} pages")
     new: dict[int, list[int]] = {}

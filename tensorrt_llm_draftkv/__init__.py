@@ -17,7 +17,7 @@ from .manager import DraftKVCacheManagerV2, KVCacheManagerV2, KVCacheResizeError
 from .mapping import Mapping
 from .request import LlmRequest, LlmRequestState, ScheduledRequests, request_context
 from .runtime import BAD_PAGE_INDEX
-from .speculative import DFlashSpecMetadata
+from .speculative import CUDA_GRAPH_DUMMY_REQUEST_ID, DFlashDraftSlots, DFlashSpecMetadata, DFlashWorker, DraftStoreRefused, SpecMetadata
 
 __all__ = [
     "BAD_PAGE_INDEX",
@@ -25,7 +25,11 @@ __all__ = [
     "DataType",
     "DecodingBaseConfig",
     "DFlashDecodingConfig",
+    "CUDA_GRAPH_DUMMY_REQUEST_ID",
+    "DFlashDraftSlots",
     "DFlashSpecMetadata",
+    "DFlashWorker",
+    "DraftStoreRefused",
     "DSparkDecodingConfig",
     "DraftKVCacheManagerV2",
     "KVCacheManagerV2",

@@ -217,6 +217,9 @@ class KVCacheManagerV2:
         # The V2 scheduler's state: suspended caches (kept, not grown) and each generation
         # step's reserved draft slots (`try_allocate_generation`).
         self._suspended: set[int] = set()
+        #: The batch of the last successful `prepare_resources` (ours): what a drafter's worker
+        #: reads the step's request objects from, since upstream's metadata carries only ids.
+        self.last_prepared_batch: ScheduledRequests | None = None
         self._allocated_draft_lens: dict[int, int] = {}
         self._capacity_before: dict[int, int] = {}  # a step's growth, for the reverts
         #: The explicit error behind the last False of a call that answers False (upstream's convention).
@@ -497,6 +500,7 @@ class KVCacheManagerV2:
                 if reused_prefix(req) != reused:
                     req.prepopulated_prompt_len = reused
             raise
+        self.last_prepared_batch = batch
 
     def _resume_scheduled(self, batch: ScheduledRequests) -> None:
         """A scheduled request whose cache is suspended is resumed first, as upstream's draft manager

@@ -21,7 +21,7 @@ with hand-set weights (no training) over the hidden states of
   ``s``: on text made of repeated phrases it continues the phrase, and reading
   the wrong context (foreign pages, wrong positions) makes it draft garbage.
 
-Addressing (all through :class:`DFlashSpecMetadata`): context K/V is stored at
+Addressing (all through :class:`DFlashDraftSlots`): context K/V is stored at
 slot positions on ``row[s // P]`` of the request's unrebased row; the block is
 appended onto ``row[q // P]``; context reads go through the row rebased past the
 slot's base, ``[max(0, read_len + block_size - W), read_len)`` in rebased
@@ -41,7 +41,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from ..request import LlmRequest
-from ..speculative.dflash_metadata import DFlashSpecMetadata
+from ..speculative.draft_slots import DFlashDraftSlots
 from .features import TokenFeatures
 from .ownership import OwnershipChecker
 
@@ -116,7 +116,7 @@ class DFlashDrafter:
         self,
         config: DFlashDrafterConfig,
         features: TokenFeatures,
-        metadata: DFlashSpecMetadata,
+        metadata: DFlashDraftSlots,
         draft_manager=None,
         *,
         checker: OwnershipChecker | None = None,
@@ -390,7 +390,7 @@ class DFlashDrafter:
             raise ValueError(
                 f"hidden states must be [{n}, {self.features.feature_dim}], got {tuple(hidden.shape)}"
             )
-        plan = self.meta.plan_context_store(request, positions)
+        plan = self.meta.advance_slot_for_context(request, positions)
         P = self.meta.tokens_per_block
         pos = plan.positions.to(self.device)
         offsets = plan.offsets.to(self.device)

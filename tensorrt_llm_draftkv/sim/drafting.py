@@ -1,6 +1,6 @@
 """The executor's side of the DFlash drafter: hidden states in, drafts out.
 
-`DFlashSpeculator` owns the drafter's slots (`DFlashSpecMetadata`), the toy
+`DFlashSpeculator` owns the drafter's slots (`DFlashDraftSlots`), the toy
 drafter over the draft pool (`DFlashDrafter`) and the ownership checker, and
 calls them in the order the metadata's docstring prescribes. The executor
 hands it token ids and absolute positions; it turns them into the target's
@@ -21,7 +21,7 @@ import torch
 from ..manager import DraftKVCacheManagerV2
 from ..manager.rules import MirrorSizing
 from ..request import LlmRequest, ScheduledRequests
-from ..speculative import DFlashSpecMetadata, Seeding
+from ..speculative import DFlashDraftSlots, Seeding
 from ..speculative.handoff import DrafterContextGeometry, HandoffForm
 from .disagg_wire import clipped_hidden_range, clipped_ranges
 from .drafter import DFlashDrafter, DFlashDrafterConfig
@@ -58,7 +58,7 @@ def build_drafter(
     """
     cfg = draft_manager.config
     features = TokenFeatures(vocab_size, feature_dim, block_size - 1, seed=feature_seed, device=cfg.device)
-    meta = DFlashSpecMetadata(
+    meta = DFlashDraftSlots(
         num_slots,
         block_size=block_size,
         tokens_per_block=cfg.tokens_per_block,
@@ -100,7 +100,7 @@ class DFlashSpeculator:
     ) -> None:
         self.draft_manager = draft_manager
         self.drafter = drafter
-        self.meta: DFlashSpecMetadata = drafter.meta
+        self.meta: DFlashDraftSlots = drafter.meta
         self.features: TokenFeatures = drafter.features
         self.checker: OwnershipChecker | None = drafter.checker
         self.evict_idle_slots = evict_idle_slots
@@ -152,7 +152,7 @@ class DFlashSpeculator:
         wanted = [r.py_request_id for r in batch.all_requests()]
         if self.evict_idle_slots:
             self._evict_idle(wanted)
-        self.meta.prepare(batch, self.drafter.draft_manager)
+        self.meta.prepare_step(batch, self.drafter.draft_manager)
         if self.audit:
             self._audit()
         received = set(self.meta.slots.last_context_seeded)

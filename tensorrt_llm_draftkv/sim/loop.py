@@ -20,7 +20,7 @@ import torch
 from ..config import KVPoolConfig, LayerGroupConfig, SpeculativeDecodingMode
 from ..manager import DraftKVCacheManagerV2
 from ..request import ContextView, LlmRequest, LlmRequestState, ScheduledRequests
-from ..speculative import DFlashSpecMetadata, required_extra_kv_tokens
+from ..speculative import DFlashDraftSlots, required_extra_kv_tokens
 from .drafter import DFlashDrafter
 from .drafting import DFlashSpeculator, build_drafter
 from .engine import Executor, StepResult
@@ -52,12 +52,12 @@ def _pool_config(
 
 
 class DraftLoop:
-    """A draft manager, a DFlashSpecMetadata and a DFlashDrafter driven through the executor by a truth oracle."""
+    """A draft manager, a DFlashDraftSlots and a DFlashDrafter driven through the executor by a truth oracle."""
 
     def __init__(
         self,
         draft_manager: DraftKVCacheManagerV2,
-        meta: DFlashSpecMetadata,
+        meta: DFlashDraftSlots,
         drafter: DFlashDrafter,
         features: TokenFeatures,
     ) -> None:

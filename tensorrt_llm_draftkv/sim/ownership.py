@@ -211,7 +211,7 @@ class OwnershipChecker:
         return self.foreign_page_accesses + self.shared_page_writes + self.stale_reads + self.accounting_errors
 
     def attach(self, metadata) -> "OwnershipChecker":
-        """Follow a :class:`DFlashSpecMetadata`: slot losses and restarts open a new epoch."""
+        """Follow a :class:`DFlashDraftSlots`: slot losses and restarts open a new epoch."""
         metadata.add_release_listener(self.on_release)
         return self
 

@@ -2,11 +2,14 @@
 
 ``slot_rules`` holds the pure rules for where a slot starts, ``slot_table`` the
 slots themselves, ``addressing`` where each row reads and writes, and
-``DFlashSpecMetadata`` drives them step by step for the executor; ``handoff``
+``DFlashDraftSlots`` drives them step by step; ``DFlashWorker`` and
+``DFlashSpecMetadata`` are upstream's executor-facing objects over them; ``handoff``
 describes the drafter context a disaggregated context worker hands over.
 """
 from .addressing import ContextStorePlan, Row, required_extra_kv_tokens
 from .dflash_metadata import DFlashSpecMetadata
+from .dflash_worker import CUDA_GRAPH_DUMMY_REQUEST_ID, DFlashWorker
+from .draft_slots import DFlashDraftSlots
 from .handoff import (
     DrafterContextGeometry,
     DrafterContextMismatch,
@@ -17,10 +20,16 @@ from .handoff import (
 )
 from .slot_rules import Seeding, SlotStart, StartRules, context_store_start, generation_seed, page_aligned_seed
 from .slot_table import NoFreeSlotError, SlotSnapshot, SlotTable
+from .spec_metadata import SpecMetadata
+from .worker_pool import DraftStoreRefused
 
 __all__ = [
+    "CUDA_GRAPH_DUMMY_REQUEST_ID",
     "ContextStorePlan",
+    "DFlashDraftSlots",
     "DFlashSpecMetadata",
+    "DFlashWorker",
+    "DraftStoreRefused",
     "DrafterContextGeometry",
     "DrafterContextMismatch",
     "DrafterHandoff",
@@ -32,6 +41,7 @@ __all__ = [
     "SlotSnapshot",
     "SlotStart",
     "SlotTable",
+    "SpecMetadata",
     "StartRules",
     "context_store_start",
     "generation_seed",

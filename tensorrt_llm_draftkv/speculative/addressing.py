@@ -143,7 +143,7 @@ def decode_tables(
 
 
 # --------------------------------------------------------------------------- context stores
-def plan_context_store(
+def advance_slot_for_context(
     slots: SlotTable,
     tables: Sequence[BlockTables],
     index: int,
@@ -319,7 +319,7 @@ __all__ = [
     "decode_tables",
     "eager_prep",
     "generation_counts",
-    "plan_context_store",
+    "advance_slot_for_context",
     "prepare_generation",
     "required_extra_kv_tokens",
 ]

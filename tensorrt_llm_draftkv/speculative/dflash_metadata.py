@@ -1,368 +1,109 @@
-"""DFlashSpecMetadata: the executor-facing object of a DFlash drafter, step by step.
+"""`DFlashSpecMetadata`: upstream's DFlash metadata dataclass, whose `prepare()` maps rows to slots.
 
-It maps each step's rows (context requests, then generation requests) to
-slots kept by :class:`~.slot_table.SlotTable`, seeds fresh slots by
-:mod:`.slot_rules` (each row placed by :mod:`.row_placement`), and hands out
-the step's addressing from :mod:`.addressing`.
-A slot ``(ctx_len L, base_pages b)`` holds context at slot positions
-``[b*P, L)`` (absolute token positions, minus a lag ``< P`` after a
-page-aligned generation seed); reads see ``row[b:]`` (pages) with length
-``L - b*P`` (tokens), and the block is appended at ``[L, L + block_size)``.
-
-Executor call order, every step (``drafter``: the simulator's toy drafter)::
-
-    dm.prepare_resources(batch)                    # (0) size the mirrors
-    meta.prepare(batch, dm)                        # (a) free departed slots, assign/seed, decode tables
-    drafter.store_context(req, positions, hidden)  # (b) every context row, after the target forward
-    drafter.commit_step({rid: hidden})             # (c) hidden [a + 1, F] of the accepted tokens
-    #   optimistic: snap = meta.snapshot(); commit all K + 1; meta.rollback(snap)  (lengths AND
-    #   bases back); commit the a + 1 accepted
-    drafts = drafter.propose()                     # (d) [B, block_size - 1], -1 for rows not proposing
-    dm.update_context_resources(batch); dm.update_resources(batch)
-    meta.evict(request_id) / meta.free(request_id) # between steps (prepare() also frees departed)
-
-The draft manager must leave room for the block: ``max_draft_len =
-block_size - 1``, ``num_extra_kv_tokens >= block_size``
-(:func:`required_extra_kv_tokens`). Errors are explicit and change nothing: an
-unknown request is a ``KeyError`` naming the live slots, running out of slots a
-:class:`NoFreeSlotError` naming the requests and the counts.
+The model engine sets `request_ids` and `num_generations` and calls `prepare()`
+with no arguments, as upstream does. The mapping is the worker's job
+(`DFlashWorker`, attached as `_dflash_worker`): free the slots of requests that
+left, give new requests slots (a fresh generation slot gets the fix's base),
+and write the batch-row -> slot table the kernels read. The metadata also keeps
+the target layers' hidden states the drafter projects (`captured_hidden_states`,
+`[max_num_tokens, hidden_size * layers]`).
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
 
-from ..kernels import BlockTables, PagedLatentPrep
-from ..request import LlmRequest, ScheduledRequests
-from . import addressing, row_placement
-from .addressing import ContextStorePlan, Row, required_extra_kv_tokens
-from .handoff_seed import check_seed_range, mirror_backed_from
-from .slot_rules import Seeding, SlotStart
-from .slot_table import NoFreeSlotError, SlotPlan, SlotSnapshot, SlotTable
+from ..request import ScheduledRequests
+from .spec_metadata import SpecMetadata
 
-R = TypeVar("R")
+if TYPE_CHECKING:
+    from .dflash_worker import DFlashWorker
 
 
-def _check_args(max_batch_size: int, block_size: int, tokens_per_block: int, max_ctx_len: int, backend: str) -> None:
-    if max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-    if block_size < 2:
-        raise ValueError(f"block_size must be >= 2 (bonus token + at least one mask), got {block_size}")
-    if tokens_per_block < 1 or max_ctx_len < 1:
-        raise ValueError(f"tokens_per_block ({tokens_per_block}) and max_ctx_len ({max_ctx_len}) must be >= 1")
-    if backend not in ("cpp", "python"):
-        raise ValueError(f"unknown block-offset backend {backend!r}; use 'cpp' or 'python'")
-    if max_ctx_len < tokens_per_block:
-        raise ValueError(
-            f"max_ctx_len ({max_ctx_len} tokens) must hold at least one page of {tokens_per_block} tokens: "
-            "a clamped context is read from a page boundary"
-        )
+@dataclass
+class DFlashSpecMetadata(SpecMetadata):
+    """Upstream's fields, plus two of ours (`device`, `scheduled_requests`), both keyword-optional.
 
+    `scheduled_requests` (ours): the step's request objects, when the draft manager
+    did not see the step (a private arena); otherwise the worker reads them from
+    the draft manager's last `prepare_resources`.
+    """
 
-def _slot_attr(name: str, doc: str, *, settable: bool = True) -> property:
-    """An attribute of the slot table, read (and set) through the metadata."""
+    batch_indices_cuda: Optional[torch.Tensor] = None
+    spec_resource_manager: Any = None
+    layers_to_capture: Optional[List[int]] = None
+    hidden_size: int = 0
+    max_num_tokens: int = 0
+    dtype: torch.dtype = torch.bfloat16
+    captured_hidden_states: Optional[torch.Tensor] = None
+    device: Optional[torch.device] = field(default=None, repr=False)
+    scheduled_requests: Optional[ScheduledRequests] = field(default=None, repr=False)
 
-    def get(self: DFlashSpecMetadata) -> Any:
-        return getattr(self.slots, name)
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.device is None:
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(self.device)
+        self.batch_indices_cuda = torch.empty(self.max_num_requests, dtype=torch.int32, device=self.device)
+        self.is_spec_dec_tree = False
+        self.is_spec_dec_dynamic_tree = False
+        layers = sorted(self.layers_to_capture) if self.layers_to_capture else []
+        self.layers_to_capture = layers or None
+        self.num_capture_layers = len(layers)
+        self._layer_to_idx = {layer: i for i, layer in enumerate(layers)}
+        if layers:
+            if self.hidden_size < 1 or self.max_num_tokens < 1:
+                raise ValueError(
+                    f"DFlashSpecMetadata: capturing layers {layers} needs hidden_size >= 1 and max_num_tokens >= 1, "
+                    f"got {self.hidden_size} and {self.max_num_tokens}"
+                )
+            self.captured_hidden_states = torch.empty(
+                (self.max_num_tokens, self.hidden_size * len(layers)), dtype=self.dtype, device=self.device
+            )
 
-    def put(self: DFlashSpecMetadata, value: Any) -> None:
-        setattr(self.slots, name, value)
+    def prepare(self) -> None:
+        """Before the forward: batch indices, then the worker's slot mapping of `request_ids`.
 
-    return property(get, put if settable else None, doc=doc)
+        `request_ids` lists the context rows, then the `num_generations` generation
+        rows. Without an attached, initialised worker only the batch indices are set.
+        Errors (a row the draft manager never sized, too many requests for the slots)
+        raise before any slot changes.
+        """
+        if self.request_ids is None:
+            raise ValueError("DFlashSpecMetadata.prepare(): request_ids is not set for this step")
+        n = len(self.request_ids)
+        if n > self.max_num_requests:
+            raise ValueError(f"DFlashSpecMetadata.prepare(): {n} rows, but max_num_requests is {self.max_num_requests}")
+        if not 0 <= self.num_generations <= n:
+            raise ValueError(f"DFlashSpecMetadata.prepare(): num_generations {self.num_generations} of {n} rows")
+        self.batch_indices_cuda[:n].copy_(torch.arange(n, dtype=torch.int32))
+        worker: DFlashWorker | None = getattr(self, "_dflash_worker", None)
+        if worker is not None and worker._ctx_buf_inited:
+            worker.map_batch_rows(self)
 
+    def is_layer_capture(self, layer_id: int) -> bool:
+        return layer_id in self._layer_to_idx
 
-def _delegate(method: Callable[..., R]) -> Callable[..., R]:
-    """A :class:`SlotTable` method, called on the metadata's slot table (same signature and doc)."""
-
-    @functools.wraps(method)
-    def call(self: DFlashSpecMetadata, *args: Any, **kwargs: Any) -> R:
-        return method(self.slots, *args, **kwargs)
-
-    return call
-
-
-class DFlashSpecMetadata:
-    """Slots, bases, and the per-step addressing of a DFlash drafter (see the module docstring)."""
-
-    #: A worker that reads the *unrebased* table sets this to False: a context tail
-    #: after a prefix it did not compute is then stored with slot-local numbering
-    #: (except on a pool paired with the target's block reuse).
-    _ctx_reads_rebased_view: bool = True
-
-    def __init__(
-        self,
-        max_batch_size: int,
-        *,
-        block_size: int,
-        tokens_per_block: int,
-        max_ctx_len: int = 1 << 20,
-        device: str | torch.device = "cpu",
-        seeding: str | Seeding = Seeding.BASE,
-        fused: bool = True,
-        backend: str = "cpp",
-        page_aligned_seed: bool | None = None,
-        max_new_tokens: int | None = None,
-        num_dummy_slots: int | None = None,
-        draft_manager: Any = None,
+    def maybe_capture_hidden_states(
+        self, layer_id: int, hidden_states: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> None:
-        _check_args(max_batch_size, block_size, tokens_per_block, max_ctx_len, backend)
-        num_dummy_slots = max_batch_size if num_dummy_slots is None else num_dummy_slots
-        if num_dummy_slots < 0:
-            raise ValueError(f"num_dummy_slots must be >= 0, got {num_dummy_slots}")
-        self.slots = SlotTable(
-            max_batch_size,
-            num_dummy_slots,
-            tokens_per_block=tokens_per_block,
-            max_ctx_len=max_ctx_len,
-            device=torch.device(device),
-        )
-        self.block_size = block_size
-        self.max_new_tokens = block_size if max_new_tokens is None else max_new_tokens
-        self.seeding = Seeding.parse(seeding)
-        self.fused = fused
-        self.backend = backend
-        self.page_aligned_seed = page_aligned_seed
-        # this step
-        self.rows: list[Row] = []
-        self.draft_manager: Any = None
-        self.tables: list[BlockTables] = []
-        self.slot_ids = torch.zeros(0, dtype=torch.int64, device=self.device)
-        self._prep: list[PagedLatentPrep] | None = None
-        self.seeds: dict[int, SlotStart] = {}  # request id -> start given by the last prepare()
-        if draft_manager is not None:
-            self.check_pool(draft_manager)
-
-    # ------------------------------------------------------------------ slot table, delegated
-    max_batch_size = _slot_attr("max_batch_size", "Regular (non-dummy) slots.")
-    num_dummy_slots = _slot_attr("num_dummy_slots", "Slots reserved for warmup dummies.")
-    num_slots = _slot_attr("num_slots", "Regular plus dummy slots.")
-    dummy_slot = _slot_attr("dummy_slot", "First dummy slot; each dummy row of a step takes its own.")
-    tokens_per_block = _slot_attr("tokens_per_block", "Tokens per page (P).")
-    max_ctx_len = _slot_attr("max_ctx_len", "Most tokens a slot reads (shared pool) or stores (arena).")
-    device = _slot_attr("device", "Device of the slot tensors and of every table.")
-    private_arena = _slot_attr("private_arena", "This step runs without a draft pool (per-slot arena).")
-    ctx_len = _slot_attr("ctx_len", "Device int64 [num_slots]: each slot's L (slot positions, tokens).")
-    base_pages = _slot_attr("base_pages", "Device int64 [num_slots]: each slot's base b (pages).")
-    free_slots = _slot_attr("free_slots", "Regular slots nobody holds (a copy).", settable=False)
-    ctx_len_host = _slot_attr("ctx_len_host", "Host mirror of ``ctx_len`` (a copy).", settable=False)
-    base_pages_host = _slot_attr("base_pages_host", "Host mirror of ``base_pages`` (a copy).", settable=False)
-    _offset_host = _slot_attr("offsets_host", "Absolute position of each slot's position 0.", settable=False)
-    live_requests = _delegate(SlotTable.live_requests)
-    has_slot = _delegate(SlotTable.has_slot)
-    slot_of = _delegate(SlotTable.slot_of)
-    slot_state = _delegate(SlotTable.slot_state)
-    slot_offset = _delegate(SlotTable.slot_offset)
-    check_host_mirror = _delegate(SlotTable.check_host_mirror)
-    add_release_listener = _delegate(SlotTable.add_release_listener)
-    snapshot = _delegate(SlotTable.snapshot)
-
-    # ------------------------------------------------------------------ queries
-    @property
-    def request_ids(self) -> list[int]:
-        return [r.request_id for r in self.rows]
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.rows)
-
-    @property
-    def arena_pages_per_slot(self) -> int:
-        """Pages of a private per-slot arena: the maximum context plus one block."""
-        P = self.tokens_per_block
-        return -(-(self.max_ctx_len + self.block_size) // P)
-
-    def row_index(self, request_id: int) -> int:
-        for i, row in enumerate(self.rows):
-            if row.request_id == request_id:
-                return i
-        raise KeyError(
-            f"DFlash drafter: request {request_id} is not a row of this step (rows: {self.request_ids[:16]})"
-        )
-
-    # ------------------------------------------------------------------ slot lifetime
-    def evict(self, request_id: int) -> None:
-        """Take the request's slot away (it stays alive; its next row is seeded afresh)."""
-        self.slots.evict(request_id)
-        self._prep = None
-
-    def free(self, request_id: int, *, missing_ok: bool = False) -> None:
-        """Release the slot of a finished request."""
-        if self.slots.free(request_id, missing_ok=missing_ok):
-            self._prep = None
-
-    def rollback(self, snap: SlotSnapshot) -> None:
-        """Restore the lengths and bases of :meth:`snapshot` (the slot map is unchanged)."""
-        self.slots.rollback(snap)
-        self._prep = None
-
-    def seed_context(self, request_id: int, lo: int, end: int, draft_manager: Any = None) -> SlotStart:
-        """Seed the request's next fresh slot with a drafter context ``[lo, end)`` it received.
-
-        Absolute token positions: ``end`` is the prompt length ``m`` (the row's
-        position at its first generation step) and ``lo`` the first position
-        whose drafter K/V was written onto the request's draft mirror. The slot
-        then starts at ``L = end`` with base ``b = lo // P`` (pages) instead of
-        the empty seed; only the request's first slot takes it (a reseed after
-        eviction is empty, as always). Call after ``prepare_disagg_gen_init``
-        and the writes, before the request's first ``prepare``.
-
-        Raises ``ValueError`` naming the request and the numbers, and changes
-        nothing, when ``lo`` is below the first page the mirror backs in every
-        layer group or above ``end``, the mirror does not back up to ``end``,
-        the request already holds a slot, or there is no draft pool.
-        """
-        dm = draft_manager if draft_manager is not None else self.draft_manager
-        if dm is None:
-            raise ValueError(f"request {request_id}: seeding a received drafter context needs the draft manager")
-        if self.seeding is Seeding.SLOT_LOCAL:
-            raise ValueError(f"request {request_id}: slot-local seeding cannot place a context at absolute positions")
-        backed = mirror_backed_from(dm, request_id, end)
-        check_seed_range(request_id, lo, end, backed_from=backed, tokens_per_block=self.tokens_per_block)
-        start = self.slots.seed_context(request_id, lo, end)
-        self._prep = None
-        return start
-
-    def check_pool(self, draft_manager: Any) -> None:
-        """Refuse a pool this metadata cannot address safely (see :func:`.addressing.check_pool`)."""
-        addressing.check_pool(
-            draft_manager, tokens_per_block=self.tokens_per_block, rebased_view=self._ctx_reads_rebased_view
-        )
-
-    # ------------------------------------------------------------------ prepare
-    def prepare(self, batch: ScheduledRequests, draft_manager: Any = None) -> list[Row]:
-        """Map this step's rows to slots, seed fresh slots, decode the rows' block tables.
-
-        Call after ``draft_manager.prepare_resources(batch)``. ``draft_manager=None``
-        means a private per-slot arena (the drafter owns its storage). Frees the
-        slots of requests whose mirror is gone, gives every new request a slot
-        (a reused slot starts from base 0), seeds every generation row that gets a
-        fresh slot, and places every context chunk by the store-start rules. All
-        or nothing: on an error nothing changes.
-        """
-        dm = draft_manager
-        reqs = [*batch.context_requests, *batch.generation_requests]
-        kinds = ["context"] * len(batch.context_requests) + ["generation"] * len(batch.generation_requests)
-        ids = [r.py_request_id for r in reqs]
-        self._validate(ids, dm)
-        dummy_ids = [r.py_request_id for r in reqs if r.is_dummy]
-        plan = self.slots.plan(ids, dummy_ids, None if dm is None else dm.has_cache)
-        starts = row_placement.start_rules(
-            dm, tokens_per_block=self.tokens_per_block, max_ctx_len=self.max_ctx_len,
-            page_aligned_seed=self.page_aligned_seed, rebased_view=self._ctx_reads_rebased_view, seeding=self.seeding,
-        )
-        rows, seeds = row_placement.plan_rows(plan, reqs, kinds, starts, self.slots.take_context_seed)
-        tables = addressing.decode_tables(
-            dm, ids, [r.slot for r in rows], backend=self.backend, fused=self.fused,
-            pages_per_slot=self.arena_pages_per_slot, device=self.device,
-        )
-        self._apply(plan, rows, seeds, tables, dm)
-        return rows
-
-    def _validate(self, ids: list[int], dm: Any) -> None:
-        """No request twice; with a pool: the pool is addressable and every row has a mirror."""
-        seen: set[int] = set()
-        dup = sorted({i for i in ids if i in seen or seen.add(i)})  # type: ignore[func-returns-value]
-        if dup:
-            raise ValueError(f"DFlash drafter: requests {dup} appear twice in one batch")
-        if dm is None:
+        """Copy a captured layer's `hidden_states (+ residual)` `[num_tokens, hidden_size]` into its section."""
+        if self.captured_hidden_states is None:
             return
-        self.check_pool(dm)
-        missing = [rid for rid in ids if not dm.has_cache(rid)]
-        if missing:
-            raise KeyError(
-                f"DFlash drafter: requests {missing} have no draft mirror; call the draft manager's "
-                "prepare_resources (or prepare_disagg_gen_init) first"
-            )
+        i = self._layer_to_idx.get(layer_id)
+        if i is None:
+            return
+        value = hidden_states if residual is None else hidden_states + residual
+        h = self.hidden_size
+        self.captured_hidden_states[: value.shape[0], i * h : (i + 1) * h].copy_(value)
 
-    def _apply(
-        self, plan: SlotPlan, rows: list[Row], seeds: dict[int, SlotStart], tables: list[BlockTables], dm: Any
-    ) -> None:
-        self.slots.apply(plan)
-        self.rows = rows
-        self.draft_manager = dm
-        self.private_arena = dm is None
-        self.tables = tables
-        self.slot_ids = torch.tensor([r.slot for r in rows], dtype=torch.int64, device=self.device)
-        self.seeds = seeds
-        self._prep = None
-
-    def _check_rows_current(self) -> None:
-        """Every row still holds the slot prepare() gave it (no evict/free in between)."""
-        slots = self.slots
-        stale = [r.request_id for r in self.rows if r.kind != "dummy" and not slots.holds(r.request_id, r.slot)]
-        if stale:
-            raise RuntimeError(
-                f"DFlash drafter: requests {stale} lost their slots after prepare(); evict or free between "
-                "steps, then call prepare() again"
-            )
-
-    def _check_room(self, row: Row, new_ctx: int) -> None:
-        addressing.check_block_room(self.draft_manager, row.request_id, new_ctx, self.block_size)
-
-    # ------------------------------------------------------------------ addressing
-    def plan_context_store(self, request: LlmRequest | int, positions: torch.Tensor | Sequence[int]) -> ContextStorePlan:
-        """Store targets of a context chunk, and advance the slot past it.
-
-        ``positions`` are the chunk's absolute target positions, contiguous and
-        starting where the slot continues (``L + offset``). In a private arena
-        tokens at slot positions ``>= max_ctx_len`` are not stored (clamping);
-        on a shared pool every token is stored at its slot position and the
-        base rises so the slot reads at most ``max_ctx_len`` tokens.
-        """
-        rid = request if isinstance(request, int) else request.py_request_id
-        index = self.row_index(rid)
-        self._check_rows_current()
-        row = self.rows[index]
-        if row.kind != "context":
-            raise ValueError(f"DFlash drafter: request {rid} is a {row.kind} row, not a context row")
-        plan = addressing.plan_context_store(self.slots, self.tables, index, row, positions, self._check_room)
-        self._prep = None
-        return plan
-
-    def prepare_generation(self, num_new: Sequence[int] | Mapping[int, int] | None = None) -> list[PagedLatentPrep]:
-        """The generation step's addressing for every row, one :class:`PagedLatentPrep` per pool.
-
-        ``num_new``: accepted tokens stored this step per row (row order), or a
-        mapping request id -> count (absent rows 0). Context and dummy rows
-        store nothing here. Advances each slot's ``ctx_len`` to ``min(L + n,
-        max_ctx_len)``. The fused path is one ``prepare_paged_latent`` launch per
-        pool; the eager path is the reference decode/rebase plus plain torch.
-        """
-        counts = addressing.generation_counts(num_new, self.request_ids)
-        self._check_rows_current()
-        self._prep = addressing.prepare_generation(
-            self.slots, self.rows, self.tables, self.slot_ids, counts, block_size=self.block_size,
-            max_new=self.max_new_tokens, fused=self.fused, check_room=self._check_room,
-        )
-        return self._prep
-
-    def _eager_prep(self, bt: BlockTables, n_t: torch.Tensor, max_ctx: int | None = None) -> PagedLatentPrep:
-        """The fused kernel's preparation for this step's rows, composed from the torch reference.
-
-        ``max_ctx``: the store limit (default: this step's).
-        """
-        return addressing.eager_prep(
-            bt, self.slot_ids, self.ctx_len, self.base_pages, n_t, tokens_per_block=self.tokens_per_block,
-            block_size=self.block_size, max_new=self.max_new_tokens,
-            max_ctx=self.slots.store_limit() if max_ctx is None else max_ctx,
-        )
-
-    def generation_prep(self) -> list[PagedLatentPrep]:
-        """This step's preparation; computed with no new tokens if nothing was committed yet."""
-        if self._prep is None:
-            self.prepare_generation(None)
-        assert self._prep is not None
-        return self._prep
+    def get_hidden_states(self, num_tokens: int) -> Optional[torch.Tensor]:
+        """The first `num_tokens` captured rows, all captured layers side by side."""
+        if self.captured_hidden_states is None:
+            return None
+        return self.captured_hidden_states[:num_tokens, : self.hidden_size * self.num_capture_layers]
 
 
-__all__ = [
-    "ContextStorePlan",
-    "DFlashSpecMetadata",
-    "NoFreeSlotError",
-    "Row",
-    "SlotSnapshot",
-    "SlotTable",
-    "required_extra_kv_tokens",
-]
+__all__ = ["DFlashSpecMetadata"]

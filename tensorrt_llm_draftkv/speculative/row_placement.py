@@ -5,13 +5,13 @@ private per-slot arena when there is no draft manager); :func:`plan_rows`
 gives every row of the step (context rows, then generation rows) its slot and,
 where the slot is fresh or a context chunk does not continue it, its start.
 Everything happens on a :class:`~.slot_plan.SlotPlan`'s working copies, so a
-step that fails changes nothing; ``DFlashSpecMetadata.prepare`` applies the plan.
+step that fails changes nothing; ``DFlashDraftSlots.prepare`` applies the plan.
 
 Coordinates: a row's position is an absolute token position (its history for
 a generation row, the chunk's first position for a context row); a start is
 ``(ctx_len L, base_pages b, offset)``: slot positions (tokens), pages, and the
 absolute position of slot position 0 (see :mod:`.slot_rules`). Split from
-:mod:`.dflash_metadata`, whose private ``_starts`` and ``_plan_rows`` these were.
+:mod:`.draft_slots`, whose private ``_starts`` and ``_plan_rows`` these were.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The value types of a :class:`~.slot_table.SlotTable`: a step's working copies and a snapshot.
 
-:class:`SlotPlan` holds the working copies one ``prepare()`` edits (the slot
+:class:`SlotPlan` holds the working copies one ``prepare_step()`` edits (the slot
 map, the free list, and each slot's ``ctx_len L`` in tokens, ``base_pages b``
 in pages and host-only ``offset``, the absolute token position of slot
 position 0); the table applies it all at once, so a step that fails changes
@@ -32,7 +32,7 @@ class SlotSnapshot:
 
 @dataclasses.dataclass
 class SlotPlan:
-    """Working copies of the slot map and host state for one ``prepare()``; applied all at once."""
+    """Working copies of the slot map and host state for one ``prepare_step()``; applied all at once."""
 
     slot_of: dict[int, int]
     free: list[int]

@@ -156,6 +156,20 @@ class SlotTable:
         self._free.sort()
         self._notify(request_id, reason)
 
+    def assign(self, request_id: int, *, reset: bool = False) -> int | None:
+        """The request's slot, taking the lowest free one (fresh: ``L = b = 0``) if it holds none.
+
+        None when no slot is free. ``reset``: a request id reused by a new request
+        gives its slot back first (reason "restart"), so it starts over.
+        """
+        if reset and request_id in self._slot_of:
+            self._release(request_id, "restart")
+        if request_id not in self._slot_of:
+            if not self._free:
+                return None
+            self._slot_of[request_id] = self._free.pop(0)
+        return self._slot_of[request_id]
+
     def evict(self, request_id: int) -> None:
         """Take the request's slot away (it stays alive; its next row is seeded afresh)."""
         self.slot_of(request_id)  # explicit KeyError
@@ -180,7 +194,7 @@ class SlotTable:
         :meth:`clamped_base` if the context is longer than ``max_ctx_len``).
         Only that first slot: a later loss (evict) reseeds an empty slot as
         usual. The caller checks the mirror backs ``[lo, end)`` (see
-        ``DFlashSpecMetadata.seed_context``). Raises ``ValueError`` naming the
+        ``DFlashDraftSlots.seed_context``). Raises ``ValueError`` naming the
         request and the numbers, changing nothing, when ``lo`` is not in
         ``[0, end]``, the request already holds a slot, or this is a private arena.
         Returns the start the slot will get.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorrt_llm_draftkv.speculative import DFlashSpecMetadata
+from tensorrt_llm_draftkv.speculative import DFlashDraftSlots
 from tensorrt_llm_draftkv.sim import DFlashDrafter, DFlashDrafterConfig, DraftLoop, OwnershipViolation, TokenFeatures, acceptance, phrase_stream
 
 
@@ -124,11 +124,11 @@ def test_debug_mode_raises_at_the_first_foreign_access():
 
 def test_the_drafter_checks_its_geometry():
     f = TokenFeatures(64, 6, 3)
-    meta = DFlashSpecMetadata(2, block_size=4, tokens_per_block=16)
+    meta = DFlashDraftSlots(2, block_size=4, tokens_per_block=16)
     with pytest.raises(ValueError, match="head_dim"):
         DFlashDrafterConfig(64, 4, head_dim=7)
     with pytest.raises(ValueError, match="history"):
-        meta5 = DFlashSpecMetadata(2, block_size=5, tokens_per_block=16)
+        meta5 = DFlashDraftSlots(2, block_size=5, tokens_per_block=16)
         DFlashDrafter(DFlashDrafterConfig(64, 5), TokenFeatures(64, 6, 3), meta5)
     with pytest.raises(ValueError, match="block_size"):
         DFlashDrafter(DFlashDrafterConfig(64, 3), TokenFeatures(64, 6, 3), meta)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tensorrt_llm_draftkv import (
-    DFlashSpecMetadata,
+    DFlashDraftSlots,
     DraftKVCacheManagerV2,
     KVCacheManagerV2,
     KVPoolConfig,
@@ -262,7 +262,7 @@ def test_a_clamped_arena_context_continues_its_chunks():
 
 
 # ============================================================================ (5) unrebased readers
-class UnrebasedReader(DFlashSpecMetadata):
+class UnrebasedReader(DFlashDraftSlots):
     _ctx_reads_rebased_view = False
 
 
@@ -277,7 +277,7 @@ def test_an_unrebased_reader_is_refused_on_a_windowed_pool_at_construction():
     batch = ScheduledRequests(context_requests=[req])
     dm.prepare_resources(batch)
     with pytest.raises(ValueError, match="unrebased table"):
-        meta.prepare(batch, dm)
+        meta.prepare_step(batch, dm)
     assert meta.live_requests() == {} and meta.rows == []
 
 

@@ -193,7 +193,7 @@ def test_a_seeded_slot_starts_at_the_prompt_end_with_its_base_on_the_first_recei
     assert tuple(start) == (m, lo // 16, 0)
     batch = ScheduledRequests(generation_requests=[req])
     loop.dm.prepare_resources(batch)
-    loop.meta.prepare(batch, loop.dm)
+    loop.meta.prepare_step(batch, loop.dm)
     assert loop.meta.slot_state(5) == (m, lo // 16) and loop.meta.slot_offset(5) == 0
     assert loop.meta.seeds[5] == start and loop.meta.slots.last_context_seeded == (5,)
     assert loop.meta.slots.pending_context_seed(5) is None  # used once
@@ -201,7 +201,7 @@ def test_a_seeded_slot_starts_at_the_prompt_end_with_its_base_on_the_first_recei
     assert prep.shift.tolist() == [lo // 16] and prep.read_lens.tolist() == [m - (lo // 16) * 16]
     # a slot lost afterwards is reseeded empty: the received context seeds only the first slot
     loop.meta.evict(5)
-    loop.meta.prepare(batch, loop.dm)
+    loop.meta.prepare_step(batch, loop.dm)
     L, b = loop.meta.slot_state(5)
     assert L == b * 16 == (m // 16) * 16 and loop.meta.slots.last_context_seeded == ()
 
@@ -221,7 +221,7 @@ def test_a_seed_below_what_the_mirror_backs_or_above_its_end_is_refused_and_chan
     # a request that already holds a slot is refused too, its slot untouched
     batch = ScheduledRequests(generation_requests=[req])
     loop.dm.prepare_resources(batch)
-    loop.meta.prepare(batch, loop.dm)
+    loop.meta.prepare_step(batch, loop.dm)
     before = state_of(loop)
     with pytest.raises(ValueError, match="request 5: .*already holds slot"):
         loop.meta.seed_context(5, backed, m, loop.dm)
@@ -237,5 +237,5 @@ def test_a_seed_whose_end_is_not_the_rows_position_fails_prepare_and_changes_not
     before = state_of(loop)
     with pytest.raises(ValueError, match="request 5: its received drafter context ends at 300, but its first "
                                          "generation row sits at position 301"):
-        loop.meta.prepare(batch, loop.dm)
+        loop.meta.prepare_step(batch, loop.dm)
     assert state_of(loop) == before

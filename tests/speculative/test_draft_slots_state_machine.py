@@ -181,7 +181,7 @@ class DraftKVMachine(RuleBasedStateMachine):
         loop.dm.prepare_resources(batch)
         before_with_mirrors = meta_state(loop.meta)
         with pytest.raises(NoFreeSlotError, match=f"{len(extra)} needed, {len(loop.meta.free_slots)} free"):
-            loop.meta.prepare(batch, loop.dm)
+            loop.meta.prepare_step(batch, loop.dm)
         assert meta_state(loop.meta) == before_with_mirrors == before
         for req in extra:
             loop.dm.free_resources(req)

@@ -1,5 +1,5 @@
 """The eager path (reference decode/rebase + torch) and the fused path (`prepare_paged_latent`)
-of DFlashSpecMetadata give identical results, on random tables and end to end.
+of DFlashDraftSlots give identical results, on random tables and end to end.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tensorrt_llm_draftkv.kernels import HAVE_TRITON, LAUNCH_COUNTS, BlockTables, PagedLatentPrep
-from tensorrt_llm_draftkv.speculative import DFlashSpecMetadata
+from tensorrt_llm_draftkv.speculative import DFlashDraftSlots
 from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
 
 
@@ -54,7 +54,7 @@ def test_eager_and_fused_preparation_are_identical_on_random_workloads(w):
         extents = torch.full((B,), M, dtype=torch.int64)
     metas = []
     for fused in (False, True):
-        meta = DFlashSpecMetadata(S - 1, block_size=bs, tokens_per_block=P, max_ctx_len=max(max_ctx, P), fused=fused,
+        meta = DFlashDraftSlots(S - 1, block_size=bs, tokens_per_block=P, max_ctx_len=max(max_ctx, P), fused=fused,
                                   max_new_tokens=max_new, backend=backend)
         meta.slot_ids = torch.randint(0, S, (B,), generator=torch.Generator().manual_seed(seed + 1))
         meta.ctx_len = torch.randint(0, max_ctx + 1, (S,), generator=torch.Generator().manual_seed(seed + 2))

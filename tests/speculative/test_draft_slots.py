@@ -1,6 +1,6 @@
 """DFlash slots: store start, bases, rebased reads, seeds, reuse, rollback, errors.
 
-`DFlashSpecMetadata` on a real draft manager, with the toy drafter where a
+`DFlashDraftSlots` on a real draft manager, with the toy drafter where a
 test needs actual pages written; the pure rules are in test_slot_rules.py.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from tensorrt_llm_draftkv import LlmRequest, LlmRequestState, ScheduledRequests
 from tensorrt_llm_draftkv.request import ContextView
-from tensorrt_llm_draftkv.speculative import DFlashSpecMetadata, NoFreeSlotError, SlotStart
+from tensorrt_llm_draftkv.speculative import DFlashDraftSlots, NoFreeSlotError, SlotStart
 from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
 from support import truth
 
@@ -35,11 +35,11 @@ def held(loop: DraftLoop, rid: int, group: int = 0) -> set[int]:
 
 # --------------------------------------------------------------------------- default seeding
 def test_the_default_seeding_is_base_and_slot_local_is_opt_in():
-    meta = DFlashSpecMetadata(2, block_size=4, tokens_per_block=32)
+    meta = DFlashDraftSlots(2, block_size=4, tokens_per_block=32)
     assert meta.seeding.value == "base"
-    assert DFlashSpecMetadata._ctx_reads_rebased_view is True
+    assert DFlashDraftSlots._ctx_reads_rebased_view is True
     with pytest.raises(ValueError, match="unknown DFlash seeding"):
-        DFlashSpecMetadata(2, block_size=4, tokens_per_block=32, seeding="absolute")
+        DFlashDraftSlots(2, block_size=4, tokens_per_block=32, seeding="absolute")
 
 
 # --------------------------------------------------------------------------- store start on a real pool
@@ -48,10 +48,10 @@ def test_store_start_of_a_tail_after_an_uncomputed_prefix_uses_the_prefix_pages_
     req = ctx_req(1, 160, start=96, chunk=32)
     batch = ScheduledRequests(context_requests=[req])
     loop.dm.prepare_resources(batch)
-    loop.meta.prepare(batch, loop.dm)
+    loop.meta.prepare_step(batch, loop.dm)
     assert loop.meta.slot_state(1) == (96, 6) and loop.meta.slot_offset(1) == 0
     row = loop.dm.get_cache(1).block_row(0)
-    plan = loop.meta.plan_context_store(req, range(96, 128))
+    plan = loop.meta.advance_slot_for_context(req, range(96, 128))
     # the base for a store: target positions, onto row[s // P] -- pages the request holds
     assert plan.positions.tolist() == list(range(96, 128))
     assert plan.pages[0].tolist() == [row[s // 16] for s in range(96, 128)]
@@ -82,7 +82,7 @@ def test_paired_pool_stores_at_the_target_position_and_reads_from_position_0():
     req = ctx_req(1, 160, start=96, chunk=64)
     batch = ScheduledRequests(context_requests=[req])
     loop.dm.prepare_resources(batch)
-    loop.meta.prepare(batch, loop.dm)
+    loop.meta.prepare_step(batch, loop.dm)
     assert loop.meta.slot_state(1) == (96, 0)
     # the prefix's drafter K/V is in the paired pool (block reuse); simulate it
     t = torch.tensor(req.tokens + [0])
@@ -107,7 +107,7 @@ def test_unrebased_reader_opt_out_keeps_slot_local_numbering_except_on_a_paired_
     req = ctx_req(1, 160, start=96, chunk=64)
     batch = ScheduledRequests(context_requests=[req])
     loop.dm.prepare_resources(batch)
-    loop.meta.prepare(batch, loop.dm)
+    loop.meta.prepare_step(batch, loop.dm)
     assert loop.meta.slot_state(1) == ((96, 0) if joint else (0, 0))
     assert loop.meta.slot_offset(1) == (0 if joint else 96)
 
@@ -188,9 +188,9 @@ def test_generation_seed_in_a_private_arena_starts_at_zero():
 
 
 def test_a_clamped_context_stays_absolute_on_a_shared_pool_and_clamps_stores_in_an_arena():
-    meta = DFlashSpecMetadata(2, block_size=4, tokens_per_block=16, max_ctx_len=256)
+    meta = DFlashDraftSlots(2, block_size=4, tokens_per_block=16, max_ctx_len=256)
     req = gen_req(1, 400)
-    meta.prepare(ScheduledRequests(generation_requests=[req]), None)  # arena: (0, 0)
+    meta.prepare_step(ScheduledRequests(generation_requests=[req]), None)  # arena: (0, 0)
     assert meta.slot_state(1) == (0, 0)
     prep = meta.prepare_generation({1: 3})[0]
     assert prep.new_ctx_len.tolist() == [3]
@@ -255,7 +255,7 @@ def test_base_survives_a_rollback_and_is_rolled_back_with_the_lengths():
     # a base changed after the snapshot (slot lost and reseeded elsewhere) comes back too
     loop.meta.evict(1)
     loop.requests[1].tokens.extend(truth(1200, 1)[len(loop.requests[1].tokens) : 1040])
-    loop.meta.prepare(ScheduledRequests(generation_requests=[loop.requests[1]]), loop.dm)
+    loop.meta.prepare_step(ScheduledRequests(generation_requests=[loop.requests[1]]), loop.dm)
     assert loop.meta.slot_state(1)[1] != b0
     loop.meta.rollback(snap)
     assert loop.meta.slot_state(1) == (L0, b0)
@@ -289,7 +289,7 @@ def test_each_dummy_row_gets_its_own_dummy_slot_and_touches_only_its_own_pages()
 
 
 # --------------------------------------------------------------------------- errors
-def state(meta: DFlashSpecMetadata):
+def state(meta: DFlashDraftSlots):
     return (
         meta.live_requests(),
         meta.free_slots,
@@ -305,16 +305,16 @@ def test_no_free_slot_names_the_requests_and_counts_and_changes_nothing():
     reqs = [ctx_req(i, 40) for i in range(1, 4)]
     batch = ScheduledRequests(context_requests=reqs)
     loop.dm.prepare_resources(batch)
-    loop.meta.prepare(ScheduledRequests(context_requests=reqs[:1]), loop.dm)
+    loop.meta.prepare_step(ScheduledRequests(context_requests=reqs[:1]), loop.dm)
     before = state(loop.meta)
     with pytest.raises(NoFreeSlotError, match=r"requests \[2, 3\]: 2 needed, 1 free of 2 slots") as info:
-        loop.meta.prepare(batch, loop.dm)
+        loop.meta.prepare_step(batch, loop.dm)
     assert info.value.request_ids == [2, 3] and info.value.needed == 2 and info.value.free == 1
     assert state(loop.meta) == before
 
 
 def test_unknown_request_ids_raise_key_errors_naming_them():
-    meta = DFlashSpecMetadata(2, block_size=4, tokens_per_block=16)
+    meta = DFlashDraftSlots(2, block_size=4, tokens_per_block=16)
     for call in (meta.evict, meta.free, meta.slot_of, meta.slot_state, meta.row_index):
         with pytest.raises(KeyError, match="request 77"):
             call(77)
@@ -326,10 +326,10 @@ def test_prepare_without_a_mirror_or_with_duplicates_raises_and_changes_nothing(
     req = ctx_req(5, 40)
     before = state(loop.meta)
     with pytest.raises(KeyError, match=r"requests \[5\] have no draft mirror"):
-        loop.meta.prepare(ScheduledRequests(context_requests=[req]), loop.dm)
+        loop.meta.prepare_step(ScheduledRequests(context_requests=[req]), loop.dm)
     loop.dm.prepare_resources(ScheduledRequests(context_requests=[req]))
     with pytest.raises(ValueError, match=r"requests \[5\] appear twice"):
-        loop.meta.prepare(ScheduledRequests(context_requests=[req], generation_requests=[req]), loop.dm)
+        loop.meta.prepare_step(ScheduledRequests(context_requests=[req], generation_requests=[req]), loop.dm)
     assert state(loop.meta) == before
 
 
@@ -338,10 +338,10 @@ def test_a_store_that_does_not_continue_the_slot_raises_and_changes_nothing():
     req = ctx_req(1, 64, chunk=32)
     batch = ScheduledRequests(context_requests=[req])
     loop.dm.prepare_resources(batch)
-    loop.meta.prepare(batch, loop.dm)
+    loop.meta.prepare_step(batch, loop.dm)
     before = state(loop.meta)
     with pytest.raises(ValueError, match="continue its slot at absolute position 0"):
-        loop.meta.plan_context_store(req, range(5, 37))
+        loop.meta.advance_slot_for_context(req, range(5, 37))
     with pytest.raises(ValueError, match="only generation rows commit"):
         loop.meta.prepare_generation({1: 2})
     assert state(loop.meta) == before
@@ -354,7 +354,7 @@ def test_a_block_past_the_mirror_capacity_is_refused_before_anything_changes():
     req = loop.requests[1]
     batch = ScheduledRequests(generation_requests=[req])
     loop.dm.prepare_resources(batch)
-    loop.meta.prepare(batch, loop.dm)
+    loop.meta.prepare_step(batch, loop.dm)
     before = state(loop.meta)
     with pytest.raises(ValueError, match=r"request 1's block .* past its draft mirror's capacity"):
         loop.meta.prepare_generation({1: 4})
@@ -392,7 +392,7 @@ def test_rows_that_lost_their_slot_after_prepare_are_refused():
     req = loop.requests[1]
     batch = ScheduledRequests(generation_requests=[req])
     loop.dm.prepare_resources(batch)
-    loop.meta.prepare(batch, loop.dm)
+    loop.meta.prepare_step(batch, loop.dm)
     loop.meta.evict(1)
     with pytest.raises(RuntimeError, match=r"requests \[1\] lost their slots after prepare"):
         loop.meta.prepare_generation({1: 1})

@@ -1,0 +1,179 @@
+"""Where the DFlash worker's context store lives: the draft pool's tensors, or a private arena.
+
+`PoolBinding` holds one HND tensor per drafter layer (`[pages, kv_factor, heads,
+P, head_dim]`), the pool each layer lives in, and one page table per pool
+(int32 `[num_slots, width]`: batch rows by page ordinal on a shared pool, slots
+on an arena). It decodes upstream's block offsets into those tables, checks a
+store against the request's own mirror, and writes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class DraftStoreRefused(ValueError):
+    """A drafter store would land on a page its request's mirror does not hold; nothing was written."""
+
+    def __init__(self, message: str, *, request_id: int, position: int, pool: int) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.position = position
+        self.pool = pool
+
+
+@dataclass
+class PoolBinding:
+    """The context store of one worker (see the module docstring)."""
+
+    layers: list[torch.Tensor]
+    layer_pool: list[int]
+    tables: list[torch.Tensor]
+    kv_factor: int
+    tokens_per_block: int
+    arena: bool
+    manager: Any = None
+    #: per pool, int64 [num_slots]: entries the last decode found non-negative (upstream's block counts)
+    counts: list[torch.Tensor] = field(default_factory=list)
+    #: rows the tables were last decoded for (None: not this binding's job, or never)
+    decoded_rows: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].device
+
+    # ------------------------------------------------------------------ tables
+    def decode(self, src: torch.Tensor, num_seqs: int) -> None:
+        """`src[p, :num_seqs, 0]` (`page * kv_factor + k`, negative = unbacked) -> `tables[p][:num_seqs]`."""
+        if src.dim() != 4 or src.shape[0] < len(self.tables) or src.shape[1] < num_seqs:
+            raise ValueError(
+                f"DFlashWorker: draft block offsets of shape {tuple(src.shape)} do not cover "
+                f"{len(self.tables)} pools x {num_seqs} rows x 2 x width"
+            )
+        for p, table in enumerate(self.tables):
+            encoded = src[p, :num_seqs, 0].to(device=self.device, dtype=torch.int64)
+            width = encoded.shape[-1]
+            if width > table.shape[1]:  # a wider export than any before: grow once, keep the rows
+                grown = torch.zeros(table.shape[0], width, dtype=torch.int32, device=self.device)
+                grown[:, : table.shape[1]] = table
+                self.tables[p] = table = grown
+            self.counts[p][:num_seqs] = (encoded >= 0).sum(dim=1)
+            table[:num_seqs].zero_()
+            table[:num_seqs, :width] = encoded.clamp(min=0).div(self.kv_factor, rounding_mode="floor").to(torch.int32)
+        self.decoded_rows = num_seqs
+
+    def pages_for(self, rows: torch.Tensor, positions: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Pool -> int64 `[n]` page of each `(row, position)`; -1 past the table's width."""
+        out = {}
+        ordinal = positions // self.tokens_per_block
+        for p in sorted(set(self.layer_pool)):
+            table = self.tables[p]
+            inside = (ordinal >= 0) & (ordinal < table.shape[1])
+            page = table[rows, torch.where(inside, ordinal, 0)].long()
+            out[p] = torch.where(inside, page, -1)
+        return out
+
+    def check_owned(self, draft_slots: Any, rows: torch.Tensor, positions: torch.Tensor,
+                    pages: dict[int, torch.Tensor]) -> None:
+        """Every page is the one the row's request's mirror holds at that ordinal (DraftStoreRefused if not)."""
+        step_rows = draft_slots.rows
+        if rows.numel() and int(rows.max()) >= min(self.decoded_rows, len(step_rows)):
+            raise RuntimeError(
+                f"DFlashWorker: a store names batch row {int(rows.max())}, but this step has {len(step_rows)} rows "
+                f"and the block tables were refreshed for {self.decoded_rows}; call _refresh_ctx_block_tables"
+            )
+        P = self.tokens_per_block
+        host_rows, host_pos = rows.tolist(), positions.tolist()
+        host_pages = {p: t.tolist() for p, t in pages.items()}
+        mirrors: dict[tuple[int, int], list[int]] = {}
+        for i, (r, pos) in enumerate(zip(host_rows, host_pos)):
+            rid = step_rows[r].request_id
+            for p, row_pages in host_pages.items():
+                mirror = mirrors.get((rid, p))
+                if mirror is None:
+                    mirror = mirrors[(rid, p)] = self.manager.get_cache(rid).block_row(p)
+                ordinal = pos // P
+                held = mirror[ordinal] if 0 <= ordinal < len(mirror) else -1
+                if held < 0 or held != row_pages[i]:
+                    what = "does not back that ordinal" if held < 0 else f"holds page {held} there"
+                    raise DraftStoreRefused(
+                        f"DFlashWorker: request {rid} (batch row {r}) would store position {pos} (ordinal {ordinal}) "
+                        f"of draft pool {p} on page {row_pages[i]}, but its mirror {what}; nothing was written",
+                        request_id=rid, position=pos, pool=p,
+                    )
+
+    # ------------------------------------------------------------------ writes
+    def write(self, pages: dict[int, torch.Tensor], offsets: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor | None) -> None:
+        """K (and V) `[n, layers, heads, head_dim]` at `(pages[pool of layer], offsets)` of every layer."""
+        if k.dim() != 4 or k.shape[1] != len(self.layers):
+            raise ValueError(f"DFlashWorker: K must be [n, {len(self.layers)}, heads, head_dim], got {tuple(k.shape)}")
+        for layer, buf in enumerate(self.layers):
+            pg = pages[self.layer_pool[layer]]
+            buf[pg, 0, :, offsets, :] = k[:, layer].to(buf.dtype)
+            if v is not None:
+                buf[pg, 1, :, offsets, :] = v[:, layer].to(buf.dtype)
+
+    def write_layers(self, layers: list[int], pages: torch.Tensor, offsets: torch.Tensor, kv: torch.Tensor) -> None:
+        """`kv` `[n, len(layers), kv_factor, heads, head_dim]` at `(pages, offsets)`; negative entries skipped."""
+        pages, offsets = pages.to(self.device).long(), offsets.to(self.device).long()
+        keep = (pages >= 0) & (offsets >= 0)
+        if not bool(keep.all()):
+            pages, offsets, kv = pages[keep], offsets[keep], kv[keep.to(kv.device)]
+        if pages.numel() == 0:
+            return
+        kv = kv.to(self.device)
+        for j, layer in enumerate(layers):
+            buf = self.layers[layer]
+            buf[pages, :, :, offsets, :] = kv[:, j].to(buf.dtype)
+
+
+def pool_binding(manager: Any, num_slots: int, shape: dict[str, int]) -> PoolBinding:
+    """Bind to a draft manager's pools: every local layer's HND buffer, tables per pool."""
+    num_layers = manager.num_local_layers
+    layers = [manager.get_buffers(i, kv_layout="HND") for i in range(num_layers)]
+    pools = [manager.layer_slots[i].group for i in range(num_layers)]
+    cfg = manager.config
+    want = {"layers": num_layers, "heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "kv_factor": cfg.kv_factor}
+    wrong = {k: (shape[k], want[k]) for k in want if k in shape and shape[k] != want[k]}
+    if wrong:
+        raise ValueError(
+            "DFlashWorker: the drafter does not fit its draft pool: "
+            + ", ".join(f"{k} {got} (pool {pool})" for k, (got, pool) in wrong.items())
+        )
+    dev = layers[0].device
+    n_pools = manager.num_pools
+    return PoolBinding(
+        layers=layers, layer_pool=pools, kv_factor=cfg.kv_factor, tokens_per_block=manager.tokens_per_block,
+        arena=False, manager=manager,
+        tables=[torch.zeros(num_slots, 1, dtype=torch.int32, device=dev) for _ in range(n_pools)],
+        counts=[torch.zeros(num_slots, dtype=torch.int64, device=dev) for _ in range(n_pools)],
+    )
+
+
+def arena_binding(draft_slots: Any, shape: dict[str, int], dtype: torch.dtype = torch.float32) -> PoolBinding:
+    """A private arena: slot `s` owns pages `[s * pps, (s + 1) * pps)` of every layer."""
+    missing = [k for k in ("layers", "heads", "head_dim") if k not in shape]
+    if missing:
+        raise ValueError(
+            f"DFlashWorker: a private arena needs the drafter's {missing} (draft_model._num_attn_layers, "
+            "_num_kv_heads, _head_dim)"
+        )
+    P, pps, slots = draft_slots.tokens_per_block, draft_slots.arena_pages_per_slot, draft_slots.num_slots
+    kv_factor = shape.get("kv_factor", 2)
+    dev = draft_slots.device
+    layers = [
+        torch.zeros(slots * pps, kv_factor, shape["heads"], P, shape["head_dim"], dtype=dtype, device=dev)
+        for _ in range(shape["layers"])
+    ]
+    table = torch.arange(slots * pps, dtype=torch.int32, device=dev).view(slots, pps)
+    return PoolBinding(
+        layers=layers, layer_pool=[0] * shape["layers"], tables=[table], kv_factor=kv_factor,
+        tokens_per_block=P, arena=True, counts=[torch.full((slots,), pps, dtype=torch.int64, device=dev)],
+        decoded_rows=slots,
+    )
+
+
+__all__ = ["DraftStoreRefused", "PoolBinding", "arena_binding", "pool_binding"]
