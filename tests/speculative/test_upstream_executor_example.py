@@ -24,5 +24,5 @@ def test_the_example_request_carries_only_upstream_attributes():
     """The example's request class names nothing of this package (no target_view/draft_view)."""
     source = (REPO / "examples" / "upstream_executor.py").read_text()
     body = source[source.index("class Request"): source.index("def make_request")]
-    for ours in ("target_view", "draft_view", "reused_tokens", "request_id:"):
+    for ours in ("target_view", "draft_view", "reused_tokens", "tensorrt_llm_draftkv"):
         assert ours not in body
