@@ -36,11 +36,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 from typing import Callable, Mapping, Sequence
 
 import torch
 
+from ..llmapi import DFlashDecodingConfig
+from ..mapping import Mapping as ParallelMapping
 from ..request import LlmRequest
+from ..speculative.dflash_worker import DFlashWorker
 from ..speculative.draft_slots import DFlashDraftSlots
 from .features import TokenFeatures
 from .ownership import OwnershipChecker
@@ -90,14 +94,14 @@ def _storage_rows(storage: torch.Tensor, pages: torch.Tensor, offsets: torch.Ten
     return (pages[..., None, None] * (two * H) + kv_head) * P + offsets[..., None, None]
 
 
-def _scatter_rows(storages: list[torch.Tensor], pages: torch.Tensor, offsets: torch.Tensor, kv: torch.Tensor) -> None:
-    """Write ``kv[:, l]`` (``[n, 2, H, D]``) of layer ``l`` at ``(pages[i], offsets[i])`` of ``storages[l]``."""
-    if pages.numel() == 0:
-        return
-    rows = _storage_rows(storages[0], pages, offsets).reshape(-1)
-    D = storages[0].shape[-1]
-    for li, storage in enumerate(storages):
-        storage.view(-1, D).index_copy_(0, rows, kv[:, li].reshape(-1, D).to(storage.dtype))
+def bind_worker(config: DFlashDrafterConfig, metadata: DFlashDraftSlots, draft_manager=None) -> DFlashWorker:
+    """A DFlash worker over these slots: bound to the draft pool, or to a private arena of its own."""
+    worker = DFlashWorker(DFlashDecodingConfig(max_draft_len=config.block_size - 1), ParallelMapping(), True,
+                          device=metadata.device)
+    shape = SimpleNamespace(_num_attn_layers=config.num_layers, _num_kv_heads=config.num_kv_heads,
+                            _head_dim=config.head_dim, _kv_factor=2, dtype=config.dtype)
+    worker.bind_draft_slots(metadata, draft_manager, draft_model=shape)
+    return worker
 
 
 class _Group:
@@ -120,6 +124,7 @@ class DFlashDrafter:
         draft_manager=None,
         *,
         checker: OwnershipChecker | None = None,
+        worker: DFlashWorker | None = None,
     ) -> None:
         if features.dim != config.feature_dim:
             raise ValueError(f"features have {features.dim}-dim sections, the drafter expects {config.feature_dim}")
@@ -154,24 +159,20 @@ class DFlashDrafter:
             total = sum(g.num_layers for g in cfg.layer_groups)
             if total != config.num_layers:
                 raise ValueError(f"the draft pool has {total} layers, the drafter {config.num_layers}")
+            #: every write into the drafter's storage goes through the worker, as in an executor
+            self.worker = worker if worker is not None else bind_worker(config, metadata, draft_manager)
             layer = 0
             for g, group in enumerate(draft_manager.layer_groups):
                 n = len(group.pool.layers)
-                self._groups.append(_Group(g, list(range(layer, layer + n)), list(group.pool.layers)))
+                layers = list(range(layer, layer + n))
+                self._groups.append(_Group(g, layers, [self.worker._ctx_kv_buf[i] for i in layers]))
                 windows.extend([cfg.layer_groups[g].window] * n)
                 layer += n
             self.device = self._groups[0].storages[0].device
         else:
+            self.worker = worker if worker is not None else bind_worker(config, metadata, draft_manager)
             self.device = metadata.device
-            pages = metadata.num_slots * metadata.arena_pages_per_slot
-            shape = (pages, 2, config.num_kv_heads, P, config.head_dim)
-            self._groups.append(
-                _Group(
-                    0,
-                    list(range(config.num_layers)),
-                    [torch.zeros(shape, dtype=config.dtype, device=self.device) for _ in range(config.num_layers)],
-                )
-            )
+            self._groups.append(_Group(0, list(range(config.num_layers)), list(self.worker._ctx_kv_buf)))
             windows = [None] * config.num_layers
         self.windows: tuple = tuple(config.windows) if config.windows is not None else tuple(windows)
         self.E = features.E.to(device=self.device, dtype=config.dtype)
@@ -269,7 +270,7 @@ class DFlashDrafter:
         backed = pages >= 0
         if not bool(backed.all()):
             pages, offsets, kv = pages[backed], offsets[backed], kv[backed]
-        _scatter_rows(group.storages, pages, offsets, kv)
+        self.worker.store_kv_at_pages(group.layers, pages, offsets, kv)
 
     def _gather(self, gi: int, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """``[..., Lg, 2, H, D]`` K/V at ``(pages, offsets)``; a -1 page (unbacked) reads zeros."""
@@ -315,7 +316,7 @@ class DFlashDrafter:
             page = torch.where(inside, row[torch.where(inside, ordinal, 0)], -1) if row.numel() else -1 - ordinal * 0
             ok = page >= 0
             kv = self._project_group(gi, hidden[ok], positions[ok])
-            _scatter_rows(group.storages, page[ok], positions[ok] % P, kv)
+            self.worker.store_kv_at_pages(group.layers, page[ok], positions[ok] % P, kv)
             if self.checker is not None:
                 self.checker.mark_reused(rid, group.index, group.layers, positions[ok], kv)
 
@@ -411,7 +412,8 @@ class DFlashDrafter:
                 raise ValueError(f"request {rid}: hidden states must be [n, {F}], got {tuple(h.shape)}")
         counts = {rid: int(h.shape[0]) for rid, h in hidden.items()}
         old_len = {rid: self.meta.slot_state(rid)[0] for rid in hidden if self.meta.has_slot(rid)}
-        preps = self.meta.prepare_generation(counts)
+        preps = self.worker._advance_ctx_len(counts)
+        self.worker.finish_step()
         P = self.meta.tokens_per_block
         for rid, h in hidden.items():
             n = counts[rid]
@@ -444,7 +446,7 @@ class DFlashDrafter:
             bonus = [int(t) for t in torch.as_tensor(bonus_tokens).reshape(-1).tolist()]
             if len(bonus) != B:
                 raise ValueError(f"{len(bonus)} bonus tokens for {B} rows")
-        preps = meta.generation_prep()
+        preps = self.worker.generation_prep()
         H, D, fd = c.num_kv_heads, c.head_dim, c.feature_dim
         dev = self.device
         R = len(rows)

@@ -21,7 +21,7 @@ import torch
 from ..manager import DraftKVCacheManagerV2
 from ..manager.rules import MirrorSizing
 from ..request import LlmRequest, ScheduledRequests
-from ..speculative import DFlashDraftSlots, Seeding
+from ..speculative import DFlashDraftSlots, DFlashSpecMetadata, Seeding
 from ..speculative.handoff import DrafterContextGeometry, HandoffForm
 from .disagg_wire import clipped_hidden_range, clipped_ranges
 from .drafter import DFlashDrafter, DFlashDrafterConfig
@@ -101,6 +101,11 @@ class DFlashSpeculator:
         self.draft_manager = draft_manager
         self.drafter = drafter
         self.meta: DFlashDraftSlots = drafter.meta
+        # the step's rows reach the slots as an executor's do: upstream's metadata, prepare(), the worker
+        block = drafter.config.block_size
+        self.spec_metadata = DFlashSpecMetadata(max_num_requests=self.meta.num_slots, max_draft_len=block - 1,
+                                                max_total_draft_tokens=block - 1, device=self.meta.device)
+        self.spec_metadata._dflash_worker = drafter.worker
         self.features: TokenFeatures = drafter.features
         self.checker: OwnershipChecker | None = drafter.checker
         self.evict_idle_slots = evict_idle_slots
@@ -152,7 +157,11 @@ class DFlashSpeculator:
         wanted = [r.py_request_id for r in batch.all_requests()]
         if self.evict_idle_slots:
             self._evict_idle(wanted)
-        self.meta.prepare_step(batch, self.drafter.draft_manager)
+        md = self.spec_metadata
+        md.request_ids = [r.py_request_id for r in batch.all_requests()]
+        md.num_generations = len(batch.generation_requests)
+        md.scheduled_requests = batch
+        md.prepare()
         if self.audit:
             self._audit()
         received = set(self.meta.slots.last_context_seeded)

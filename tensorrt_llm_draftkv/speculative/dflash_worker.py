@@ -52,6 +52,7 @@ class DFlashWorker:
         self.use_separate_draft_kv_cache = use_separate_draft_kv_cache
         self.device = torch.device(device) if device is not None else None
         self._ctx_buf_inited = False
+        self._step = 0  # steps mapped by map_batch_rows
         self._ctx_paged = True
         self._ctx_kv_manager: Any = None
         self._graph_dummy_id_floor = CUDA_GRAPH_DUMMY_REQUEST_ID - self.max_draft_len
@@ -63,7 +64,6 @@ class DFlashWorker:
         self.batch_to_slot_copies = 0
         self._saved_ctx_len: SlotSnapshot | None = None
         self._ctx_len_restore_pending = False
-        self._gen_preps: list[PagedLatentPrep] | None = None
 
     # ------------------------------------------------------------------ upstream's read-only state
     @property
@@ -183,7 +183,8 @@ class DFlashWorker:
         self.draft_slots = draft_slots
         self._pool = binding
         self._ctx_kv_manager = draft_manager
-        self._batch_to_slot = torch.zeros(draft_slots.max_batch_size, dtype=torch.int64, device=draft_slots.device)
+        # every slot, dummy slots included: a step may hold all of them
+        self._batch_to_slot = torch.zeros(draft_slots.num_slots, dtype=torch.int64, device=draft_slots.device)
         self._batch_to_slot_host = []
         self._saved_ctx_len = None
         self._ctx_len_restore_pending = False
@@ -209,7 +210,7 @@ class DFlashWorker:
         reqs = self._requests_of(ids, getattr(spec_metadata, "scheduled_requests", None))
         batch = ScheduledRequests(context_requests=reqs[:num_contexts], generation_requests=reqs[num_contexts:])
         rows = self._slots().prepare_step(batch, self._ctx_kv_manager)
-        self._gen_preps = None
+        self._step += 1  # the block tables must be refreshed for these rows before a store
         self._rebuild_batch_to_slot([row.slot for row in rows])
 
     def _requests_of(self, ids: list[int], batch: Optional[ScheduledRequests]) -> list[Any]:
@@ -262,6 +263,7 @@ class DFlashWorker:
                 f"spec_metadata.prepare() mapped ({rows[:num_seqs]})"
             )
         pool.decode(src, num_seqs)
+        pool.note_owned(rows[:num_seqs], self._step)
         return True
 
     # ------------------------------------------------------------------ stores
@@ -286,7 +288,7 @@ class DFlashWorker:
             )
         pages = pool.pages_for(rows, positions)
         if not pool.arena:
-            pool.check_owned(self._slots(), rows, positions, pages)
+            pool.check_owned(self._step, rows, positions, pages)
         pool.write(pages, positions % pool.tokens_per_block, k, v)
 
     def store_kv_at_pages(self, layers: Sequence[int], pages: torch.Tensor, offsets: torch.Tensor,
@@ -367,14 +369,11 @@ class DFlashWorker:
         """
         if not self._ctx_len_restore_pending:
             self.save_step_state()
-        self._gen_preps = self._slots().prepare_generation(num_accepted)
-        return self._gen_preps
+        return self._slots().prepare_generation(num_accepted)
 
     def generation_prep(self) -> list[PagedLatentPrep]:
         """This step's addressing (read rows rebased to each slot's base) for the block decode."""
-        if self._gen_preps is None:
-            self._gen_preps = self._slots().generation_prep()
-        return self._gen_preps
+        return self._slots().generation_prep()
 
     def save_step_state(self) -> None:
         """Ours: snapshot lengths and bases before the forward changes them."""
@@ -390,7 +389,6 @@ class DFlashWorker:
         """After a failed or discarded forward: lengths and bases back to the saved snapshot."""
         if self._ctx_len_restore_pending and self._saved_ctx_len is not None:
             self._slots().rollback(self._saved_ctx_len)
-            self._gen_preps = None
         self._ctx_len_restore_pending = False
         self._saved_ctx_len = None
 

@@ -37,8 +37,10 @@ class PoolBinding:
     manager: Any = None
     #: per pool, int64 [num_slots]: entries the last decode found non-negative (upstream's block counts)
     counts: list[torch.Tensor] = field(default_factory=list)
-    #: rows the tables were last decoded for (None: not this binding's job, or never)
-    decoded_rows: int = 0
+    #: per pool, the pages each row's request holds (see `note_owned`), and for which rows and step
+    owned: list[torch.Tensor] = field(default_factory=list)
+    owned_ids: list[int] = field(default_factory=list)
+    refreshed_step: int = -1
 
     @property
     def device(self) -> torch.device:
@@ -62,7 +64,6 @@ class PoolBinding:
             self.counts[p][:num_seqs] = (encoded >= 0).sum(dim=1)
             table[:num_seqs].zero_()
             table[:num_seqs, :width] = encoded.clamp(min=0).div(self.kv_factor, rounding_mode="floor").to(torch.int32)
-        self.decoded_rows = num_seqs
 
     def pages_for(self, rows: torch.Tensor, positions: torch.Tensor) -> dict[int, torch.Tensor]:
         """Pool -> int64 `[n]` page of each `(row, position)`; -1 past the table's width."""
@@ -75,34 +76,54 @@ class PoolBinding:
             out[p] = torch.where(inside, page, -1)
         return out
 
-    def check_owned(self, draft_slots: Any, rows: torch.Tensor, positions: torch.Tensor,
+    def note_owned(self, request_ids: list[int], step: int) -> None:
+        """Per pool, the pages each row's request holds (int64 `[rows, width]`, -1 where unbacked), read
+        from the mirrors once per refresh so that every store of the step is checked on the device."""
+        self.owned = [t.to(self.device).long() for t, _ in self.manager.block_tables(request_ids, "python")]
+        self.owned_ids = list(request_ids)
+        self.refreshed_step = step
+
+    def check_owned(self, step: int, rows: torch.Tensor, positions: torch.Tensor,
                     pages: dict[int, torch.Tensor]) -> None:
-        """Every page is the one the row's request's mirror holds at that ordinal (DraftStoreRefused if not)."""
-        step_rows = draft_slots.rows
-        if rows.numel() and int(rows.max()) >= min(self.decoded_rows, len(step_rows)):
+        """Every page is the one the row's request's mirror holds at that ordinal (DraftStoreRefused if not).
+
+        One device-to-host sync for the whole store; the message is built only on a refusal.
+        """
+        if self.refreshed_step != step:
             raise RuntimeError(
-                f"DFlashWorker: a store names batch row {int(rows.max())}, but this step has {len(step_rows)} rows "
-                f"and the block tables were refreshed for {self.decoded_rows}; call _refresh_ctx_block_tables"
+                "DFlashWorker: the block tables were not refreshed for this step; call "
+                "_refresh_ctx_block_tables(attn_metadata, num_seqs) after spec_metadata.prepare()"
             )
-        P = self.tokens_per_block
-        host_rows, host_pos = rows.tolist(), positions.tolist()
-        host_pages = {p: t.tolist() for p, t in pages.items()}
-        mirrors: dict[tuple[int, int], list[int]] = {}
-        for i, (r, pos) in enumerate(zip(host_rows, host_pos)):
-            rid = step_rows[r].request_id
-            for p, row_pages in host_pages.items():
-                mirror = mirrors.get((rid, p))
-                if mirror is None:
-                    mirror = mirrors[(rid, p)] = self.manager.get_cache(rid).block_row(p)
-                ordinal = pos // P
-                held = mirror[ordinal] if 0 <= ordinal < len(mirror) else -1
-                if held < 0 or held != row_pages[i]:
-                    what = "does not back that ordinal" if held < 0 else f"holds page {held} there"
-                    raise DraftStoreRefused(
-                        f"DFlashWorker: request {rid} (batch row {r}) would store position {pos} (ordinal {ordinal}) "
-                        f"of draft pool {p} on page {row_pages[i]}, but its mirror {what}; nothing was written",
-                        request_id=rid, position=pos, pool=p,
-                    )
+        if rows.numel() == 0:
+            return
+        if int(rows.max()) >= len(self.owned_ids) or int(rows.min()) < 0:
+            raise RuntimeError(
+                f"DFlashWorker: a store names batch row {int(rows.max())}, but the block tables were refreshed "
+                f"for {len(self.owned_ids)} rows"
+            )
+        ordinal = positions // self.tokens_per_block
+        bad = torch.zeros_like(rows, dtype=torch.bool)
+        truth = {}
+        for p, page in pages.items():
+            owned = self.owned[p]
+            inside = (ordinal >= 0) & (ordinal < owned.shape[1])
+            truth[p] = torch.where(inside, owned[rows, torch.where(inside, ordinal, 0)], -1)
+            bad |= (truth[p] < 0) | (truth[p] != page)
+        if not bool(bad.any()):
+            return
+        i = int(bad.nonzero()[0])
+        for p in pages:
+            held, page = int(truth[p][i]), int(pages[p][i])
+            if held < 0 or held != page:
+                r, pos = int(rows[i]), int(positions[i])
+                rid = self.owned_ids[r]
+                what = "does not back that ordinal" if held < 0 else f"holds page {held} there"
+                raise DraftStoreRefused(
+                    f"DFlashWorker: request {rid} (batch row {r}) would store position {pos} (ordinal "
+                    f"{pos // self.tokens_per_block}) of draft pool {p} on page {page}, but its mirror {what}; "
+                    "nothing was written",
+                    request_id=rid, position=pos, pool=p,
+                )
 
     # ------------------------------------------------------------------ writes
     def write(self, pages: dict[int, torch.Tensor], offsets: torch.Tensor, k: torch.Tensor,
@@ -112,9 +133,9 @@ class PoolBinding:
             raise ValueError(f"DFlashWorker: K must be [n, {len(self.layers)}, heads, head_dim], got {tuple(k.shape)}")
         for layer, buf in enumerate(self.layers):
             pg = pages[self.layer_pool[layer]]
-            buf[pg, 0, :, offsets, :] = k[:, layer].to(buf.dtype)
+            buf[pg, 0, :, offsets, :] = k[:, layer].to(device=buf.device, dtype=buf.dtype)
             if v is not None:
-                buf[pg, 1, :, offsets, :] = v[:, layer].to(buf.dtype)
+                buf[pg, 1, :, offsets, :] = v[:, layer].to(device=buf.device, dtype=buf.dtype)
 
     def write_layers(self, layers: list[int], pages: torch.Tensor, offsets: torch.Tensor, kv: torch.Tensor) -> None:
         """`kv` `[n, len(layers), kv_factor, heads, head_dim]` at `(pages, offsets)`; negative entries skipped."""
@@ -125,9 +146,15 @@ class PoolBinding:
         if pages.numel() == 0:
             return
         kv = kv.to(self.device)
+        first = self.layers[layers[0]]
+        _, kvf, heads, P, D = first.shape
+        # one flat row index per (token, K/V, head): index_copy_ over a [*, head_dim] view, no advanced indexing
+        plane = torch.arange(kvf, device=self.device)[None, :, None] * (heads * P)
+        head = torch.arange(heads, device=self.device)[None, None, :] * P
+        rows = (pages[:, None, None] * (kvf * heads * P) + plane + head + offsets[:, None, None]).reshape(-1)
         for j, layer in enumerate(layers):
             buf = self.layers[layer]
-            buf[pages, :, :, offsets, :] = kv[:, j].to(buf.dtype)
+            buf.view(-1, D).index_copy_(0, rows, kv[:, j].reshape(-1, D).to(buf.dtype))
 
 
 def pool_binding(manager: Any, num_slots: int, shape: dict[str, int]) -> PoolBinding:
@@ -172,7 +199,6 @@ def arena_binding(draft_slots: Any, shape: dict[str, int], dtype: torch.dtype = 
     return PoolBinding(
         layers=layers, layer_pool=[0] * shape["layers"], tables=[table], kv_factor=kv_factor,
         tokens_per_block=P, arena=True, counts=[torch.full((slots,), pps, dtype=torch.int64, device=dev)],
-        decoded_rows=slots,
     )
 
 

@@ -93,20 +93,20 @@ HIDDEN = 2 * H * D
 class Rig:
     """A windowed draft manager, its worker and metadata, and the attention metadata an executor fills."""
 
-    def __init__(self, pages: int = 64, max_seq: int = 1024) -> None:
+    def __init__(self, pages: int = 64, max_seq: int = 1024, device: str = "cpu") -> None:
         spec = DFlashDecodingConfig(max_draft_len=K)
         self.draft = KVCacheManagerV2(
             KvCacheConfig(max_tokens=pages * P, max_attention_window=[WINDOW], enable_block_reuse=False),
             CacheType.SELF, num_layers=1, num_kv_heads=H, head_dim=D, tokens_per_block=P, max_seq_len=max_seq,
             max_batch_size=MAX_BATCH, mapping=Mapping(), dtype=DataType.FLOAT, spec_config=spec, is_draft=True,
-            max_num_tokens=256, device="cpu",
+            max_num_tokens=256, device=device,
         )
         self.buf = self.draft.get_buffers(0, kv_layout="HND")
-        self.buf.copy_(torch.randn(self.buf.shape))  # poisoned: nothing reads as zeros by accident
+        self.buf.copy_(torch.randn(self.buf.shape, device=device))  # poisoned: nothing reads as zeros by accident
         self.worker = DFlashWorker(spec, Mapping(), use_separate_draft_kv_cache=True)
         self.meta = DFlashSpecMetadata(max_num_requests=MAX_BATCH, max_draft_len=K, max_total_draft_tokens=K,
                                        layers_to_capture=[0], hidden_size=HIDDEN, max_num_tokens=512,
-                                       dtype=torch.float32, device="cpu")
+                                       dtype=torch.float32, device=device)
         self.attn = SimpleNamespace(draft_kv_cache_block_offsets=None, request_ids=None, max_seq_len=max_seq,
                                     num_contexts=0, seq_lens=[])
         self.drafter = ToyDrafter()
@@ -137,7 +137,7 @@ class Rig:
             hidden.append(h)
             self.stored.update({(r.py_request_id, p): h[i] for i, p in enumerate(pos)})
         h = torch.cat(hidden) if hidden else torch.zeros(0, HIDDEN)
-        self.meta.maybe_capture_hidden_states(0, h)
+        self.meta.maybe_capture_hidden_states(0, h.to(self.meta.device))
         self.worker._store_prefill_context(self.drafter, self.meta, self.attn, torch.tensor(positions), len(positions))
         self.worker.finish_step()
         for r in batch.context_requests:
@@ -173,8 +173,9 @@ class Rig:
 
     def read_back(self, rid: int, positions: list[int]) -> torch.Tensor:
         pages = self.draft.get_batch_cache_indices([rid])[0]
-        idx = torch.tensor([pages[p // P] for p in positions])
-        return self.buf[idx, :, :, torch.tensor([p % P for p in positions])].reshape(len(positions), -1)
+        idx = torch.tensor([pages[p // P] for p in positions], device=self.buf.device)
+        off = torch.tensor([p % P for p in positions], device=self.buf.device)
+        return self.buf[idx, :, :, off].reshape(len(positions), -1).cpu()
 
     def check_window_holds_what_was_stored(self, rid: int, end: int) -> None:
         """The last WINDOW positions before `end` read back exactly as stored, through the request's own row."""
@@ -415,8 +416,20 @@ def test_the_metadata_keeps_captured_hidden_states_by_layer():
 @given(prompts=st.lists(st.integers(1, 90), min_size=1, max_size=3), chunk=st.integers(5, 40),
        accepted=st.lists(st.integers(0, K), min_size=4, max_size=10), seed=st.integers(0, 2**16))
 def test_random_chunked_prefill_and_generation_store_only_own_pages(prompts, chunk, accepted, seed):
+    run_workload(prompts, chunk, accepted, seed, "cpu")
+
+
+@pytest.mark.cuda
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompts=st.lists(st.integers(1, 90), min_size=1, max_size=3), chunk=st.integers(5, 40),
+       accepted=st.lists(st.integers(0, K), min_size=4, max_size=8), seed=st.integers(0, 2**16))
+def test_random_workloads_store_only_own_pages_on_the_gpu(prompts, chunk, accepted, seed):
+    run_workload(prompts, chunk, accepted, seed, "cuda")
+
+
+def run_workload(prompts, chunk, accepted, seed, device):
     torch.manual_seed(seed)
-    rig = Rig(pages=96)
+    rig = Rig(pages=96, device=device)
     reqs = [req(i + 1, p, chunk) for i, p in enumerate(prompts)]
     prefill(rig, *reqs, chunk=chunk)
     for step, a in enumerate(accepted):
@@ -427,3 +440,16 @@ def test_random_chunked_prefill_and_generation_store_only_own_pages(prompts, chu
     for r in reqs:
         rig.draft.free_resources(r)
     assert all(p.num_free == p.total for p in rig.draft.pools())
+
+
+def test_a_store_before_the_step_s_tables_are_refreshed_is_an_error():
+    rig = Rig()
+    a = req(1, 16, 16)
+    prefill(rig, a, chunk=16)
+    batch = ScheduledRequests(generation_requests=[a])
+    rig.draft.prepare_resources(batch)
+    rig.meta.request_ids, rig.meta.num_generations = [1], 1
+    rig.meta.prepare()  # a new step: last step's tables no longer count
+    kv = torch.randn(1, 1, H, D)
+    with pytest.raises(RuntimeError, match="not refreshed for this step"):
+        rig.worker._store_context_kv_paged(kv, kv, torch.tensor([0]), torch.tensor([15]))
