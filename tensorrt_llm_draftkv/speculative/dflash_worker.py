@@ -286,9 +286,7 @@ class DFlashWorker:
             raise ValueError(
                 f"DFlashWorker: {k.shape[0]} K rows, {rows.numel()} batch rows and {positions.numel()} positions"
             )
-        pages = pool.pages_for(rows, positions)
-        if not pool.arena:
-            pool.check_owned(self._step, rows, positions, pages)
+        pages = pool.pages_for(rows, positions) if pool.arena else pool.checked_pages(self._step, rows, positions)
         pool.write(pages, positions % pool.tokens_per_block, k, v)
 
     def store_kv_at_pages(self, layers: Sequence[int], pages: torch.Tensor, offsets: torch.Tensor,

@@ -39,6 +39,7 @@ class PoolBinding:
     counts: list[torch.Tensor] = field(default_factory=list)
     #: per pool, the pages each row's request holds (see `note_owned`), and for which rows and step
     owned: list[torch.Tensor] = field(default_factory=list)
+    safe: list[torch.Tensor] = field(default_factory=list)
     owned_ids: list[int] = field(default_factory=list)
     refreshed_step: int = -1
 
@@ -77,51 +78,65 @@ class PoolBinding:
         return out
 
     def note_owned(self, request_ids: list[int], step: int) -> None:
-        """Per pool, the pages each row's request holds (int64 `[rows, width]`, -1 where unbacked), read
-        from the mirrors once per refresh so that every store of the step is checked on the device."""
+        """Read each row's mirror once per refresh: `safe[p]` (int64 `[rows, width]`) is the decoded
+        table where it names the page the request holds, -1 everywhere else (released, unbacked, or
+        another page), so a store of the step needs one gather and one sync to be checked."""
+        n = len(request_ids)
         self.owned = [t.to(self.device).long() for t, _ in self.manager.block_tables(request_ids, "python")]
+        self.safe = []
+        for p, owned in enumerate(self.owned):
+            table = self.tables[p][:n].long()
+            width = max(owned.shape[1], table.shape[1])
+            owned_w = torch.full((n, width), -1, dtype=torch.int64, device=self.device)
+            owned_w[:, : owned.shape[1]] = owned
+            table_w = torch.full((n, width), -1, dtype=torch.int64, device=self.device)
+            table_w[:, : table.shape[1]] = table
+            self.owned[p] = owned_w
+            self.safe.append(torch.where((owned_w >= 0) & (owned_w == table_w), owned_w, -1))
         self.owned_ids = list(request_ids)
         self.refreshed_step = step
 
-    def check_owned(self, step: int, rows: torch.Tensor, positions: torch.Tensor,
-                    pages: dict[int, torch.Tensor]) -> None:
-        """Every page is the one the row's request's mirror holds at that ordinal (DraftStoreRefused if not).
+    def checked_pages(self, step: int, rows: torch.Tensor, positions: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Pool -> int64 `[n]` page of each `(row, position)`, each one a page the row's request holds.
 
-        One device-to-host sync for the whole store; the message is built only on a refusal.
+        One device-to-host sync for the whole store; DraftStoreRefused (or RuntimeError for a row the
+        tables were not refreshed for) before anything is written, the message built only then.
         """
         if self.refreshed_step != step:
             raise RuntimeError(
                 "DFlashWorker: the block tables were not refreshed for this step; call "
                 "_refresh_ctx_block_tables(attn_metadata, num_seqs) after spec_metadata.prepare()"
             )
-        if rows.numel() == 0:
-            return
-        if int(rows.max()) >= len(self.owned_ids) or int(rows.min()) < 0:
+        ordinal = positions // self.tokens_per_block
+        known = (rows >= 0) & (rows < len(self.owned_ids))
+        r = torch.where(known, rows, 0)
+        out, bad = {}, ~known
+        for p in sorted(set(self.layer_pool)):
+            safe = self.safe[p]
+            inside = known & (ordinal >= 0) & (ordinal < safe.shape[1])
+            out[p] = torch.where(inside, safe[r, torch.where(inside, ordinal, 0)], -1)
+            bad |= out[p] < 0
+        if rows.numel() and bool(bad.any()):
+            self._refuse(int(bad.nonzero()[0]), rows, positions)
+        return out
+
+    def _refuse(self, i: int, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        r, pos = int(rows[i]), int(positions[i])
+        if not 0 <= r < len(self.owned_ids):
             raise RuntimeError(
-                f"DFlashWorker: a store names batch row {int(rows.max())}, but the block tables were refreshed "
+                f"DFlashWorker: a store names batch row {r}, but the block tables were refreshed "
                 f"for {len(self.owned_ids)} rows"
             )
-        ordinal = positions // self.tokens_per_block
-        bad = torch.zeros_like(rows, dtype=torch.bool)
-        truth = {}
-        for p, page in pages.items():
-            owned = self.owned[p]
-            inside = (ordinal >= 0) & (ordinal < owned.shape[1])
-            truth[p] = torch.where(inside, owned[rows, torch.where(inside, ordinal, 0)], -1)
-            bad |= (truth[p] < 0) | (truth[p] != page)
-        if not bool(bad.any()):
-            return
-        i = int(bad.nonzero()[0])
-        for p in pages:
-            held, page = int(truth[p][i]), int(pages[p][i])
+        rid, ordinal = self.owned_ids[r], pos // self.tokens_per_block
+        for p in sorted(set(self.layer_pool)):
+            owned, table = self.owned[p], self.tables[p]
+            held = int(owned[r, ordinal]) if 0 <= ordinal < owned.shape[1] else -1
+            page = int(table[r, ordinal]) if 0 <= ordinal < table.shape[1] else -1
             if held < 0 or held != page:
-                r, pos = int(rows[i]), int(positions[i])
-                rid = self.owned_ids[r]
                 what = "does not back that ordinal" if held < 0 else f"holds page {held} there"
                 raise DraftStoreRefused(
-                    f"DFlashWorker: request {rid} (batch row {r}) would store position {pos} (ordinal "
-                    f"{pos // self.tokens_per_block}) of draft pool {p} on page {page}, but its mirror {what}; "
-                    "nothing was written",
+                    f"DFlashWorker: request {rid} (batch row {r}) would store position {pos} (ordinal {ordinal}) "
+                    f"of draft pool {p} on page {page}, but its mirror {what}; nothing was written",
                     request_id=rid, position=pos, pool=p,
                 )
 

@@ -117,7 +117,8 @@ class Rig:
         """prepare_resources, the attention metadata's offsets, spec_metadata.prepare(), the table refresh."""
         self.draft.prepare_resources(batch)
         ids = [r.py_request_id for r in batch.all_requests()]
-        dst = torch.zeros((self.draft.num_pools, MAX_BATCH, 2, self.draft.config.max_blocks_per_seq), dtype=torch.int32)
+        dst = torch.zeros((self.draft.num_pools, MAX_BATCH, 2, self.draft.config.max_blocks_per_seq), dtype=torch.int32,
+                          device=self.buf.device)
         self.draft.copy_batch_block_offsets(dst, ids, 1, len(batch.context_requests), len(ids))
         self.attn.draft_kv_cache_block_offsets, self.attn.request_ids = dst, ids
         self.attn.num_contexts = len(batch.context_requests)
@@ -451,5 +452,9 @@ def test_a_store_before_the_step_s_tables_are_refreshed_is_an_error():
     rig.meta.request_ids, rig.meta.num_generations = [1], 1
     rig.meta.prepare()  # a new step: last step's tables no longer count
     kv = torch.randn(1, 1, H, D)
+    with pytest.raises(RuntimeError, match="refreshed for 1 rows"):
+        rig.begin(batch)
+        rig.worker._store_context_kv_paged(kv, kv, torch.tensor([3]), torch.tensor([15]))
+    rig.meta.prepare()
     with pytest.raises(RuntimeError, match="not refreshed for this step"):
         rig.worker._store_context_kv_paged(kv, kv, torch.tensor([0]), torch.tensor([15]))
