@@ -7,6 +7,8 @@ pages each request's mirror holds, refusing any other.
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import warnings
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -458,3 +460,37 @@ def test_a_store_before_the_step_s_tables_are_refreshed_is_an_error():
     rig.meta.prepare()
     with pytest.raises(RuntimeError, match="not refreshed for this step"):
         rig.worker._store_context_kv_paged(kv, kv, torch.tensor([0]), torch.tensor([15]))
+
+
+# -- upstream's signatures --------------------------------------------------------------------------------------
+E = inspect.Parameter.empty
+UPSTREAM_WORKER = {
+    "__init__": [("spec_config", E), ("mapping", E), ("use_separate_draft_kv_cache", False)],
+    "_lazy_init_ctx_buffers": [("draft_model", E), ("spec_metadata", E), ("attn_metadata", E),
+                               ("draft_kv_cache_manager", None)],
+    "_assign_slot": [("req_id", E), ("reset", False)],
+    "_refresh_ctx_block_tables": [("attn_metadata", E), ("num_seqs", E)],
+    "_store_context_kv_paged": [("k", E), ("v", E), ("rows", E), ("positions", E)],
+    "_store_prefill_context": [("draft_model", E), ("spec_metadata", E), ("attn_metadata", E), ("position_ids", E),
+                               ("total_target_tokens", E)],
+    "_ensure_spec_dec_state_restored": [("attn_metadata", E), ("spec_metadata", E)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(UPSTREAM_WORKER))
+def test_the_worker_has_upstreams_signatures(name):
+    params = [p for p in inspect.signature(getattr(DFlashWorker, name)).parameters.values() if p.name != "self"]
+    positional = [(p.name, p.default) for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    assert positional == UPSTREAM_WORKER[name]
+
+
+def test_the_metadata_has_upstreams_fields_in_upstreams_order():
+    names = [f.name for f in dataclasses.fields(DFlashSpecMetadata)]
+    base = ["max_num_requests", "max_draft_len", "max_total_draft_tokens", "num_generations", "is_cuda_graph",
+            "spec_dec_mode", "draft_tokens", "draft_lens", "request_ids", "seq_lens", "gather_ids",
+            "num_accepted_draft_tokens", "num_tokens", "num_extra_kv_tokens", "num_layers", "is_spec_dec_tree",
+            "is_spec_dec_dynamic_tree", "runtime_draft_len", "runtime_tokens_per_gen_step"]
+    dflash = ["batch_indices_cuda", "spec_resource_manager", "layers_to_capture", "hidden_size", "max_num_tokens",
+              "dtype", "captured_hidden_states"]
+    assert names == base + dflash + ["device", "scheduled_requests"]  # ours last
+    assert list(inspect.signature(DFlashSpecMetadata.prepare).parameters) == ["self"]
