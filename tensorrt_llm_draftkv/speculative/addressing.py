@@ -14,7 +14,7 @@ slot each holds is the metadata's business.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -27,6 +27,7 @@ from ..kernels import (
 )
 from ..kernels.spec_tail_kernels import triton_runs
 from ..request import LlmRequest
+from .draft_pool import DraftPool
 from .slot_table import SlotTable
 
 
@@ -67,7 +68,7 @@ def required_extra_kv_tokens(block_size: int) -> int:
     return block_size
 
 
-def check_block_room(draft_manager: Any, request_id: int, new_ctx: int, block_size: int) -> None:
+def check_block_room(draft_manager: Optional[DraftPool], request_id: int, new_ctx: int, block_size: int) -> None:
     """The block ``[new_ctx, new_ctx + block_size)`` (slot positions) must lie inside the request's mirror."""
     if draft_manager is None:
         return
@@ -81,7 +82,7 @@ def check_block_room(draft_manager: Any, request_id: int, new_ctx: int, block_si
         )
 
 
-def check_pool(draft_manager: Any, *, tokens_per_block: int, rebased_view: bool) -> None:
+def check_pool(draft_manager: DraftPool, *, tokens_per_block: int, rebased_view: bool) -> None:
     """Refuse a pool a slot cannot address safely (ValueError naming the numbers).
 
     A worker that reads the unrebased table (``rebased_view=False``) stores a
@@ -109,7 +110,7 @@ def check_pool(draft_manager: Any, *, tokens_per_block: int, rebased_view: bool)
 
 # --------------------------------------------------------------------------- block tables
 def decode_tables(
-    draft_manager: Any,
+    draft_manager: Optional[DraftPool],
     ids: list[int],
     slots: list[int],
     *,

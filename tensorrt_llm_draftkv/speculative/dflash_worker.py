@@ -32,6 +32,7 @@ import torch
 
 from ..kernels import PagedLatentPrep
 from ..request import ScheduledRequests
+from .draft_pool import DraftPool
 from .draft_slots import DFlashDraftSlots
 from .slot_table import SlotSnapshot
 from .worker_pool import DraftStoreRefused, PoolBinding, arena_binding, pool_binding
@@ -54,7 +55,7 @@ class DFlashWorker:
         self._ctx_buf_inited = False
         self._step = 0  # steps mapped by map_batch_rows
         self._ctx_paged = True
-        self._ctx_kv_manager: Any = None
+        self._ctx_kv_manager: Optional[DraftPool] = None
         self._graph_dummy_id_floor = CUDA_GRAPH_DUMMY_REQUEST_ID - self.max_draft_len
         self.draft_slots: DFlashDraftSlots | None = None
         self._pool: PoolBinding | None = None
@@ -135,7 +136,7 @@ class DFlashWorker:
 
     # ------------------------------------------------------------------ binding
     def _lazy_init_ctx_buffers(self, draft_model: Any, spec_metadata: Any, attn_metadata: Any,
-                               draft_kv_cache_manager: Any = None) -> None:
+                               draft_kv_cache_manager: Optional[DraftPool] = None) -> None:
         """Build the slots and bind the context store, once per draft manager (upstream's first forward).
 
         The drafter's shape is read from `draft_model` where it has upstream's
@@ -168,7 +169,7 @@ class DFlashWorker:
         self.bind_draft_slots(slots, dm, draft_model=draft_model)
         spec_metadata._dflash_worker = self
 
-    def bind_draft_slots(self, draft_slots: DFlashDraftSlots, draft_manager: Any = None, *,
+    def bind_draft_slots(self, draft_slots: DFlashDraftSlots, draft_manager: Optional[DraftPool] = None, *,
                          draft_model: Any = None) -> None:
         """Ours: bind slots built by the caller (the simulator chooses seeding and export backend).
 

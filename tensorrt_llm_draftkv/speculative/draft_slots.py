@@ -30,7 +30,7 @@ unknown request is a ``KeyError`` naming the live slots, running out of slots a
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 import torch
 
@@ -38,6 +38,7 @@ from ..kernels import BlockTables, PagedLatentPrep
 from ..request import LlmRequest, ScheduledRequests
 from . import addressing, row_placement
 from .addressing import ContextStorePlan, Row, required_extra_kv_tokens
+from .draft_pool import DraftPool
 from .handoff_seed import check_seed_range, mirror_backed_from
 from .slot_rules import Seeding, SlotStart
 from .slot_table import NoFreeSlotError, SlotPlan, SlotSnapshot, SlotTable
@@ -105,7 +106,7 @@ class DFlashDraftSlots:
         page_aligned_seed: bool | None = None,
         max_new_tokens: int | None = None,
         num_dummy_slots: int | None = None,
-        draft_manager: Any = None,
+        draft_manager: Optional[DraftPool] = None,
     ) -> None:
         _check_args(max_batch_size, block_size, tokens_per_block, max_ctx_len, backend)
         num_dummy_slots = max_batch_size if num_dummy_slots is None else num_dummy_slots
@@ -126,7 +127,7 @@ class DFlashDraftSlots:
         self.page_aligned_seed = page_aligned_seed
         # this step
         self.rows: list[Row] = []
-        self.draft_manager: Any = None
+        self.draft_manager: Optional[DraftPool] = None
         self.tables: list[BlockTables] = []
         self.slot_ids = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._prep: list[PagedLatentPrep] | None = None
@@ -197,7 +198,7 @@ class DFlashDraftSlots:
         self.slots.rollback(snap)
         self._prep = None
 
-    def seed_context(self, request_id: int, lo: int, end: int, draft_manager: Any = None) -> SlotStart:
+    def seed_context(self, request_id: int, lo: int, end: int, draft_manager: Optional[DraftPool] = None) -> SlotStart:
         """Seed the request's next fresh slot with a drafter context ``[lo, end)`` it received.
 
         Absolute token positions: ``end`` is the prompt length ``m`` (the row's
@@ -224,14 +225,14 @@ class DFlashDraftSlots:
         self._prep = None
         return start
 
-    def check_pool(self, draft_manager: Any) -> None:
+    def check_pool(self, draft_manager: DraftPool) -> None:
         """Refuse a pool this metadata cannot address safely (see :func:`.addressing.check_pool`)."""
         addressing.check_pool(
             draft_manager, tokens_per_block=self.tokens_per_block, rebased_view=self._ctx_reads_rebased_view
         )
 
     # ------------------------------------------------------------------ prepare
-    def prepare_step(self, batch: ScheduledRequests, draft_manager: Any = None) -> list[Row]:
+    def prepare_step(self, batch: ScheduledRequests, draft_manager: Optional[DraftPool] = None) -> list[Row]:
         """Map this step's rows to slots, seed fresh slots, decode the rows' block tables.
 
         Call after ``draft_manager.prepare_resources(batch)``. ``draft_manager=None``
@@ -260,7 +261,7 @@ class DFlashDraftSlots:
         self._apply(plan, rows, seeds, tables, dm)
         return rows
 
-    def _validate(self, ids: list[int], dm: Any) -> None:
+    def _validate(self, ids: list[int], dm: Optional[DraftPool]) -> None:
         """No request twice; with a pool: the pool is addressable and every row has a mirror."""
         seen: set[int] = set()
         dup = sorted({i for i in ids if i in seen or seen.add(i)})  # type: ignore[func-returns-value]
@@ -277,7 +278,7 @@ class DFlashDraftSlots:
             )
 
     def _apply(
-        self, plan: SlotPlan, rows: list[Row], seeds: dict[int, SlotStart], tables: list[BlockTables], dm: Any
+        self, plan: SlotPlan, rows: list[Row], seeds: dict[int, SlotStart], tables: list[BlockTables], dm: Optional[DraftPool]
     ) -> None:
         self.slots.apply(plan)
         self.rows = rows

@@ -42,11 +42,12 @@ live in :mod:`.handoff_seed` and are re-exported here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
 from ..config import ParsableEnum, parse_dtype
+from .draft_pool import DraftPool
 from .handoff_seed import check_seed_range, mirror_backed_from
 
 #: Bumped whenever the meaning or layout of the wire header changes.
@@ -163,7 +164,7 @@ class DrafterContextGeometry:
     @classmethod
     def of_pool(
         cls,
-        draft_manager: Any,
+        draft_manager: DraftPool,
         form: HandoffForm | str = HandoffForm.KV,
         hidden_size: int = 0,
         hidden_dtype: torch.dtype | None = None,

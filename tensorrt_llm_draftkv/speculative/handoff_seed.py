@@ -15,7 +15,7 @@ describes what is sent, this one only what the receiver's mirror holds.
 """
 from __future__ import annotations
 
-from typing import Any
+from .draft_pool import DraftPool
 
 
 def check_seed_range(
@@ -40,7 +40,7 @@ def check_seed_range(
         )
 
 
-def mirror_backed_from(draft_manager: Any, request_id: int, end: int) -> int:
+def mirror_backed_from(draft_manager: DraftPool, request_id: int, end: int) -> int:
     """First absolute position from which the request's draft mirror backs every page below ``end``, in every group.
 
     A multiple of the page size (``ceil(end / P) * P`` when a window keeps not
@@ -54,7 +54,7 @@ def mirror_backed_from(draft_manager: Any, request_id: int, end: int) -> int:
     P = draft_manager.config.tokens_per_block
     top = -(-end // P)  # ordinals [.., top) hold positions below `end`
     first = 0
-    for g in range(len(draft_manager.layer_groups)):
+    for g in range(draft_manager.num_pools):
         row = cache.block_row(g)
         i = top
         if len(row) < top:

@@ -15,11 +15,12 @@ absolute position of slot position 0 (see :mod:`.slot_rules`). Split from
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from ..request import LlmRequest, target_view
 from . import slot_rules as rules
 from .addressing import Row
+from .draft_pool import DraftPool
 from .slot_plan import SlotPlan
 from .slot_rules import Seeding, SlotStart, StartRules
 from .slot_table import NO_STORE_LIMIT
@@ -29,7 +30,7 @@ from .slot_table import NO_STORE_LIMIT
 ContextSeedTaker = Callable[[SlotPlan, int, int], Optional[SlotStart]]
 
 
-def seed_is_page_aligned(dm: Any, *, page_aligned_seed: bool | None, tokens_per_block: int) -> bool:
+def seed_is_page_aligned(dm: Optional[DraftPool], *, page_aligned_seed: bool | None, tokens_per_block: int) -> bool:
     """Whether a generation seed on ``dm``'s pool starts at a page boundary (``page_aligned_seed`` overrides)."""
     if page_aligned_seed is not None:
         return page_aligned_seed
@@ -41,7 +42,7 @@ def seed_is_page_aligned(dm: Any, *, page_aligned_seed: bool | None, tokens_per_
 
 
 def start_rules(
-    dm: Any,
+    dm: Optional[DraftPool],
     *,
     tokens_per_block: int,
     max_ctx_len: int,

@@ -9,9 +9,11 @@ store against the request's own mirror, and writes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
+
+from .draft_pool import DraftPool
 
 
 class DraftStoreRefused(ValueError):
@@ -34,7 +36,7 @@ class PoolBinding:
     kv_factor: int
     tokens_per_block: int
     arena: bool
-    manager: Any = None
+    manager: Optional[DraftPool] = None
     #: per pool, int64 [num_slots]: entries the last decode found non-negative (upstream's block counts)
     counts: list[torch.Tensor] = field(default_factory=list)
     #: per pool, the pages each row's request holds (see `note_owned`), and for which rows and step
@@ -172,7 +174,7 @@ class PoolBinding:
             buf.view(-1, D).index_copy_(0, rows, kv[:, j].reshape(-1, D).to(buf.dtype))
 
 
-def pool_binding(manager: Any, num_slots: int, shape: dict[str, int]) -> PoolBinding:
+def pool_binding(manager: DraftPool, num_slots: int, shape: dict[str, int]) -> PoolBinding:
     """Bind to a draft manager's pools: every local layer's HND buffer, tables per pool."""
     num_layers = manager.num_local_layers
     layers = [manager.get_buffers(i, kv_layout="HND") for i in range(num_layers)]
