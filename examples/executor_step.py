@@ -235,7 +235,7 @@ def main() -> None:
     for name, manager in (("target", target), ("draft", draft)):
         for g, pool in enumerate(manager.pools()):
             assert pool.num_free == pool.total, f"{name} pool {g}: {pool.num_held} pages still held"
-    assert not draft.request_ids() and not target.request_ids() and not meta.live_requests()
+    assert not draft.request_ids() and not target.request_ids() and not meta.slots.live_requests()
     print(f"every page is free again: target pools {target.free_pages()}, draft pool {draft.free_pages()}")
 
 

@@ -411,7 +411,7 @@ class DFlashDrafter:
             if h.dim() != 2 or h.shape[1] != F:
                 raise ValueError(f"request {rid}: hidden states must be [n, {F}], got {tuple(h.shape)}")
         counts = {rid: int(h.shape[0]) for rid, h in hidden.items()}
-        old_len = {rid: self.meta.slot_state(rid)[0] for rid in hidden if self.meta.has_slot(rid)}
+        old_len = {rid: self.meta.slots.slot_state(rid)[0] for rid in hidden if self.meta.slots.has_slot(rid)}
         preps = self.worker._advance_ctx_len(counts)
         self.worker.finish_step()
         P = self.meta.tokens_per_block

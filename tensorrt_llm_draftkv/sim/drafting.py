@@ -185,12 +185,12 @@ class DFlashSpeculator:
         self._optimistic.clear()
 
     def _evict_idle(self, wanted: list[int]) -> None:
-        need = sum(1 for rid in wanted if not self.meta.has_slot(rid))
-        free = len(self.meta.free_slots)
+        need = sum(1 for rid in wanted if not self.meta.slots.has_slot(rid))
+        free = len(self.meta.slots.free_slots)
         for rid in list(self._recent):
             if need <= free:
                 break
-            if rid not in wanted and self.meta.has_slot(rid):
+            if rid not in wanted and self.meta.slots.has_slot(rid):
                 self.meta.evict(rid)  # the request lives on; its slot is reseeded when it returns
                 del self._recent[rid]
                 free += 1
@@ -319,7 +319,7 @@ class DFlashSpeculator:
             # One trial commit of the whole batch (optimistic rows: every verified token;
             # the others: their accepted ones), then roll back: the slots' lengths and
             # bases return to where they were and only the accepted tokens are kept.
-            snap = self.meta.snapshot()
+            snap = self.meta.slots.snapshot()
             self.drafter.commit_step({**self._accepted, **self._optimistic})
             self.meta.rollback(snap)
         self.drafter.commit_step(self._accepted)
@@ -400,7 +400,7 @@ class DFlashSpeculator:
                         f"request {request_id}: received drafter K/V {tuple(kv.shape)}, expected {want} for "
                         f"positions [{lo}, {hi})"
                     )
-        if self.meta.has_slot(request_id):
+        if self.meta.slots.has_slot(request_id):
             raise ValueError(f"request {request_id}: a received drafter context arrived while it holds a slot")
         for gi, (lo, hi) in enumerate(ranges):  # every page checked before anything is written
             self.drafter.mirror_pages(request_id, gi, lo, hi, "writing a received drafter context")

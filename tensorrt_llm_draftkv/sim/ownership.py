@@ -212,7 +212,7 @@ class OwnershipChecker:
 
     def attach(self, metadata) -> "OwnershipChecker":
         """Follow a :class:`DFlashDraftSlots`: slot losses and restarts open a new epoch."""
-        metadata.add_release_listener(self.on_release)
+        metadata.slots.add_release_listener(self.on_release)
         return self
 
     def on_release(self, request_id: int, reason: str) -> None:

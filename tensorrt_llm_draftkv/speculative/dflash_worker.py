@@ -84,21 +84,21 @@ class DFlashWorker:
     @property
     def _ctx_len(self) -> torch.Tensor:
         """Device int64 `[num_slots]`: each slot's context length (slot positions)."""
-        return self._slots().ctx_len
+        return self._slots().slots.ctx_len
 
     @property
     def _base_pages(self) -> torch.Tensor:
         """Device int64 `[num_slots]`: each slot's base (pages); reads start at `base * P`."""
-        return self._slots().base_pages
+        return self._slots().slots.base_pages
 
     @property
     def _req_to_slot(self) -> dict[int, int]:
         """Request id -> slot (a copy)."""
-        return self._slots().live_requests()
+        return self._slots().slots.live_requests()
 
     @property
     def _free_slots(self) -> deque[int]:
-        return deque(self._slots().free_slots)
+        return deque(self._slots().slots.free_slots)
 
     @property
     def _dummy_slot(self) -> int:
@@ -106,7 +106,7 @@ class DFlashWorker:
 
     @property
     def _max_ctx(self) -> int:
-        return self._slots().max_ctx_len
+        return self._slots().slots.max_ctx_len
 
     @property
     def _ctx_kv_buf(self) -> list[torch.Tensor]:
@@ -376,7 +376,7 @@ class DFlashWorker:
 
     def save_step_state(self) -> None:
         """Ours: snapshot lengths and bases before the forward changes them."""
-        self._saved_ctx_len = self._slots().snapshot()
+        self._saved_ctx_len = self._slots().slots.snapshot()
         self._ctx_len_restore_pending = True
 
     def finish_step(self) -> None:

@@ -15,7 +15,7 @@ Executor call order, every step (``drafter``: the simulator's toy drafter)::
     meta.prepare_step(batch, dm)                     # (a) free departed slots, assign/seed, decode tables
     drafter.store_context(req, positions, hidden)  # (b) every context row, after the target forward
     drafter.commit_step({rid: hidden})             # (c) hidden [a + 1, F] of the accepted tokens
-    #   optimistic: snap = meta.snapshot(); commit all K + 1; meta.rollback(snap)  (lengths AND
+    #   optimistic: snap = meta.slots.snapshot(); commit all K + 1; meta.rollback(snap)  (lengths AND
     #   bases back); commit the a + 1 accepted
     drafts = drafter.propose()                     # (d) [B, block_size - 1], -1 for rows not proposing
     dm.update_context_resources(batch); dm.update_resources(batch)
@@ -29,8 +29,7 @@ unknown request is a ``KeyError`` naming the live slots, running out of slots a
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -42,9 +41,6 @@ from .draft_pool import DraftPool
 from .handoff_seed import check_seed_range, mirror_backed_from
 from .slot_rules import Seeding, SlotStart
 from .slot_table import NoFreeSlotError, SlotPlan, SlotSnapshot, SlotTable
-
-R = TypeVar("R")
-
 
 def _check_args(max_batch_size: int, block_size: int, tokens_per_block: int, max_ctx_len: int, backend: str) -> None:
     if max_batch_size < 1:
@@ -60,28 +56,6 @@ def _check_args(max_batch_size: int, block_size: int, tokens_per_block: int, max
             f"max_ctx_len ({max_ctx_len} tokens) must hold at least one page of {tokens_per_block} tokens: "
             "a clamped context is read from a page boundary"
         )
-
-
-def _slot_attr(name: str, doc: str, *, settable: bool = True) -> property:
-    """An attribute of the slot table, read (and set) through the metadata."""
-
-    def get(self: DFlashDraftSlots) -> Any:
-        return getattr(self.slots, name)
-
-    def put(self: DFlashDraftSlots, value: Any) -> None:
-        setattr(self.slots, name, value)
-
-    return property(get, put if settable else None, doc=doc)
-
-
-def _delegate(method: Callable[..., R]) -> Callable[..., R]:
-    """A :class:`SlotTable` method, called on the metadata's slot table (same signature and doc)."""
-
-    @functools.wraps(method)
-    def call(self: DFlashDraftSlots, *args: Any, **kwargs: Any) -> R:
-        return method(self.slots, *args, **kwargs)
-
-    return call
 
 
 class DFlashDraftSlots:
@@ -119,6 +93,13 @@ class DFlashDraftSlots:
             max_ctx_len=max_ctx_len,
             device=torch.device(device),
         )
+        # the slot table's constants, copied (the table itself is `slots`; its state lives only there)
+        self.max_batch_size = max_batch_size
+        self.num_dummy_slots = num_dummy_slots
+        self.num_slots = self.slots.num_slots
+        self.dummy_slot = self.slots.dummy_slot
+        self.tokens_per_block = tokens_per_block
+        self.device = self.slots.device
         self.block_size = block_size
         self.max_new_tokens = block_size if max_new_tokens is None else max_new_tokens
         self.seeding = Seeding.parse(seeding)
@@ -135,30 +116,6 @@ class DFlashDraftSlots:
         if draft_manager is not None:
             self.check_pool(draft_manager)
 
-    # ------------------------------------------------------------------ slot table, delegated
-    max_batch_size = _slot_attr("max_batch_size", "Regular (non-dummy) slots.")
-    num_dummy_slots = _slot_attr("num_dummy_slots", "Slots reserved for warmup dummies.")
-    num_slots = _slot_attr("num_slots", "Regular plus dummy slots.")
-    dummy_slot = _slot_attr("dummy_slot", "First dummy slot; each dummy row of a step takes its own.")
-    tokens_per_block = _slot_attr("tokens_per_block", "Tokens per page (P).")
-    max_ctx_len = _slot_attr("max_ctx_len", "Most tokens a slot reads (shared pool) or stores (arena).")
-    device = _slot_attr("device", "Device of the slot tensors and of every table.")
-    private_arena = _slot_attr("private_arena", "This step runs without a draft pool (per-slot arena).")
-    ctx_len = _slot_attr("ctx_len", "Device int64 [num_slots]: each slot's L (slot positions, tokens).")
-    base_pages = _slot_attr("base_pages", "Device int64 [num_slots]: each slot's base b (pages).")
-    free_slots = _slot_attr("free_slots", "Regular slots nobody holds (a copy).", settable=False)
-    ctx_len_host = _slot_attr("ctx_len_host", "Host mirror of ``ctx_len`` (a copy).", settable=False)
-    base_pages_host = _slot_attr("base_pages_host", "Host mirror of ``base_pages`` (a copy).", settable=False)
-    _offset_host = _slot_attr("offsets_host", "Absolute position of each slot's position 0.", settable=False)
-    live_requests = _delegate(SlotTable.live_requests)
-    has_slot = _delegate(SlotTable.has_slot)
-    slot_of = _delegate(SlotTable.slot_of)
-    slot_state = _delegate(SlotTable.slot_state)
-    slot_offset = _delegate(SlotTable.slot_offset)
-    check_host_mirror = _delegate(SlotTable.check_host_mirror)
-    add_release_listener = _delegate(SlotTable.add_release_listener)
-    snapshot = _delegate(SlotTable.snapshot)
-
     # ------------------------------------------------------------------ queries
     @property
     def request_ids(self) -> list[int]:
@@ -172,7 +129,7 @@ class DFlashDraftSlots:
     def arena_pages_per_slot(self) -> int:
         """Pages of a private per-slot arena: the maximum context plus one block."""
         P = self.tokens_per_block
-        return -(-(self.max_ctx_len + self.block_size) // P)
+        return -(-(self.slots.max_ctx_len + self.block_size) // P)
 
     def row_index(self, request_id: int) -> int:
         for i, row in enumerate(self.rows):
@@ -250,7 +207,7 @@ class DFlashDraftSlots:
         dummy_ids = [r.py_request_id for r in reqs if r.is_dummy]
         plan = self.slots.plan(ids, dummy_ids, None if dm is None else dm.has_cache)
         starts = row_placement.start_rules(
-            dm, tokens_per_block=self.tokens_per_block, max_ctx_len=self.max_ctx_len,
+            dm, tokens_per_block=self.tokens_per_block, max_ctx_len=self.slots.max_ctx_len,
             page_aligned_seed=self.page_aligned_seed, rebased_view=self._ctx_reads_rebased_view, seeding=self.seeding,
         )
         rows, seeds = row_placement.plan_rows(plan, reqs, kinds, starts, self.slots.take_context_seed)
@@ -283,7 +240,7 @@ class DFlashDraftSlots:
         self.slots.apply(plan)
         self.rows = rows
         self.draft_manager = dm
-        self.private_arena = dm is None
+        self.slots.private_arena = dm is None
         self.tables = tables
         self.slot_ids = torch.tensor([r.slot for r in rows], dtype=torch.int64, device=self.device)
         self.seeds = seeds
@@ -345,7 +302,7 @@ class DFlashDraftSlots:
         ``max_ctx``: the store limit (default: this step's).
         """
         return addressing.eager_prep(
-            bt, self.slot_ids, self.ctx_len, self.base_pages, n_t, tokens_per_block=self.tokens_per_block,
+            bt, self.slot_ids, self.slots.ctx_len, self.slots.base_pages, n_t, tokens_per_block=self.tokens_per_block,
             block_size=self.block_size, max_new=self.max_new_tokens,
             max_ctx=self.slots.store_limit() if max_ctx is None else max_ctx,
         )

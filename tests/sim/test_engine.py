@@ -75,7 +75,7 @@ def instrument(ex: Executor, run: Run, *, check_every_step: bool = True) -> None
     """Count slot releases by reason, seeds of generation rows, and check invariant 3 every step."""
     spec = ex.speculator
     if spec is not None:
-        spec.meta.add_release_listener(lambda rid, why: run.releases.update([why]))
+        spec.meta.slots.add_release_listener(lambda rid, why: run.releases.update([why]))
         prepare = spec.prepare
 
         def counting_prepare(batch):
@@ -100,7 +100,7 @@ def instrument(ex: Executor, run: Run, *, check_every_step: bool = True) -> None
             if executor.draft_manager is not None:
                 executor.draft_manager.check_accounting()
             if executor.speculator is not None:
-                executor.speculator.meta.check_host_mirror()
+                executor.speculator.meta.slots.check_host_mirror()
             run.checks += 1
 
         ex.on_step = on_step
@@ -173,7 +173,7 @@ def assert_all_freed(ex: Executor) -> None:
             assert group.pool.num_held == 0
         manager.check_accounting()
     if ex.speculator is not None:
-        assert ex.speculator.meta.live_requests() == {}
+        assert ex.speculator.meta.slots.live_requests() == {}
     assert ex.tokens == {}
     assert not ex.scheduler.has_work()
 

@@ -76,7 +76,7 @@ def test_disagg_generation_drafter_writes_stay_on_its_own_draft_pages(joint, evi
     assert chk.writes > 0 and chk.reads > 0
     assert chk.foreign_page_accesses == 0 and chk.unbacked_accesses == 0, chk.messages[:3]
     assert chk.stale_reads == 0, chk.messages[:3]  # the slot reads exactly what it stored
-    L, b = loop.meta.slot_state(2)
+    L, b = loop.meta.slots.slot_state(2)
     assert b * P <= L and b >= BIG // P - 1  # absolute coordinates, base below the slot
     # seeded page-aligned at the first generation step (and again after the slot loss)
     assert len(seeds) == (2 if evict else 1)
@@ -90,7 +90,7 @@ def test_pre_fix_slot_local_seeding_makes_the_checker_report_a_foreign_page():
     loop = disagg_scenario(joint=False, seeding="slot_local")
     drive(loop, 6)
     chk = loop.checker
-    assert loop.meta.slot_state(2)[1] == 0 and loop.meta.slot_offset(2) == BIG  # slot-local 0 = absolute BIG
+    assert loop.meta.slots.slot_state(2)[1] == 0 and loop.meta.slots.slot_offset(2) == BIG  # slot-local 0 = absolute BIG
     assert chk.foreign_page_writes > 0 and chk.foreign_page_reads > 0 and chk.unbacked_accesses > 0
     assert any("-> page 0" in m and m.startswith("request 2") for m in chk.messages)
     # page 0 belongs to request 1, whose reads then see what request 2 wrote there
@@ -118,7 +118,7 @@ def test_trailing_drafter_slot_reads_only_pages_its_request_holds(lag, trail):
     rng = random.Random(lag)
     for _ in range(600):
         loop.step(accept_cap=lambda rid: 0 if rng.random() < 0.5 else 3)
-    assert loop.meta.slot_offset(1) == lag  # the slot trails its request by the lag, all along
+    assert loop.meta.slots.slot_offset(1) == lag  # the slot trails its request by the lag, all along
     assert len(loop.requests[1].tokens) > prompt + 600
     chk = loop.checker
     if trail or lag == 2:
@@ -133,7 +133,7 @@ def test_trailing_drafter_slot_reads_only_pages_its_request_holds(lag, trail):
 @pytest.mark.parametrize("seeding", ["base", "slot_local"])
 def test_disagg_ownership_scenario_on_cuda_tensors(seeding):
     loop = disagg_scenario(joint=False, seeding=seeding, fused=True, device="cuda")
-    assert loop.drafter.device.type == "cuda" and loop.meta.ctx_len.device.type == "cuda"
+    assert loop.drafter.device.type == "cuda" and loop.meta.slots.ctx_len.device.type == "cuda"
     drive(loop, 20, evict_at=9)
     chk = loop.checker
     if seeding == "base":
@@ -141,7 +141,7 @@ def test_disagg_ownership_scenario_on_cuda_tensors(seeding):
         assert loop.accepted_total > 0
     else:
         assert chk.foreign_page_accesses > 0
-    loop.meta.check_host_mirror()
+    loop.meta.slots.check_host_mirror()
 
 
 def _peak_shadow(prompt: int, windows) -> int:

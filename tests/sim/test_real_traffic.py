@@ -225,11 +225,11 @@ def test_a_clamped_drafter_context_takes_every_prefill_chunk_and_reads_only_its_
     loop.add_context_request(1, truth(400, 1), 200, chunk=100)
     for _ in range(30):
         loop.step(chunks={1: 100})
-        L, b = loop.meta.slot_state(1)
+        L, b = loop.meta.slots.slot_state(1)
         assert L - b * 16 <= 50  # the clamp bounds what the slot reads ...
         req = loop.requests[1]
         at = req.target_view.position if req.is_context_init_state else len(req.tokens) - 1
-        assert L + loop.meta.slot_offset(1) == at  # ... never where it stores
+        assert L + loop.meta.slots.slot_offset(1) == at  # ... never where it stores
     assert loop.requests[1].is_generation_in_progress_state
     loop.checker.assert_clean()
     assert loop.checker.reads > 0 and loop.checker.unbacked_accesses == 0
@@ -257,7 +257,7 @@ def test_a_clamped_arena_context_continues_its_chunks():
     loop.add_context_request(1, truth(400, 1), 200, chunk=100)
     for _ in range(12):
         loop.step(chunks={1: 100})
-        assert loop.meta.slot_state(1)[0] <= 50  # the arena holds max_ctx_len tokens
+        assert loop.meta.slots.slot_state(1)[0] <= 50  # the arena holds max_ctx_len tokens
     loop.checker.assert_clean()
 
 
@@ -278,7 +278,7 @@ def test_an_unrebased_reader_is_refused_on_a_windowed_pool_at_construction():
     dm.prepare_resources(batch)
     with pytest.raises(ValueError, match="unrebased table"):
         meta.prepare_step(batch, dm)
-    assert meta.live_requests() == {} and meta.rows == []
+    assert meta.slots.live_requests() == {} and meta.rows == []
 
 
 @pytest.mark.parametrize("windows, joint", [((None,), False), ((64,), True)])
@@ -318,7 +318,7 @@ def test_more_dummies_than_dummy_slots_are_refused_before_anything_changes():
     loop.add_context_request(1, truth(200, 1), 64)
     with pytest.raises(Exception, match=r"3 warmup dummies .* only 2 dummy slots"):
         loop.step(dummies=3, dummy_tokens=20)
-    assert loop.meta.live_requests() == {}
+    assert loop.meta.slots.live_requests() == {}
 
 
 # ============================================================================ (8) target sizing

@@ -38,13 +38,13 @@ def everything(loop: DraftLoop):
         {rid: dm.get_cache(rid).checkpoint() for rid in dm.request_ids()},
         [(list(p._free), sorted(p._held)) for p in dm.pools()],
         [layer.clone() for p in dm.pools() for layer in p.layers],
-        meta.live_requests(),
-        meta.free_slots,
-        meta.ctx_len_host,
-        meta.base_pages_host,
-        [meta._offset_host[s] for s in range(meta.num_slots)],
-        meta.ctx_len.tolist(),
-        meta.base_pages.tolist(),
+        meta.slots.live_requests(),
+        meta.slots.free_slots,
+        meta.slots.ctx_len_host,
+        meta.slots.base_pages_host,
+        [meta.slots.offsets_host[s] for s in range(meta.num_slots)],
+        meta.slots.ctx_len.tolist(),
+        meta.slots.base_pages.tolist(),
         dict(chk.owner_of),
         chk.summary(),
     )
@@ -137,7 +137,7 @@ def test_random_real_traffic_keeps_every_invariant(geo, data):
                 if loop.requests[rid].is_generation_in_progress_state and loop.remaining(rid) < meta.block_size + 1:
                     loop.finish(rid)
         elif op == "evict" and live:
-            holders = [r for r in live if meta.has_slot(r)]
+            holders = [r for r in live if meta.slots.has_slot(r)]
             if holders:
                 loop.evict(data.draw(st.sampled_from(holders)))
         elif op == "finish" and live:
@@ -148,7 +148,7 @@ def test_random_real_traffic_keeps_every_invariant(geo, data):
         chk.assert_clean()
         assert chk.check_rows() == 0 and chk.check_accounting() == 0
         dm.check_accounting()
-        meta.check_host_mirror()
+        meta.slots.check_host_mirror()
         if meta.rows and dm.request_ids():
             ids = [r for r in dm.request_ids()]
             assert chk.check_export(ids, dm.get_block_offsets(ids, geo["backend"]), geo["backend"]) == 0

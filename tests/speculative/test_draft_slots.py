@@ -49,14 +49,14 @@ def test_store_start_of_a_tail_after_an_uncomputed_prefix_uses_the_prefix_pages_
     batch = ScheduledRequests(context_requests=[req])
     loop.dm.prepare_resources(batch)
     loop.meta.prepare_step(batch, loop.dm)
-    assert loop.meta.slot_state(1) == (96, 6) and loop.meta.slot_offset(1) == 0
+    assert loop.meta.slots.slot_state(1) == (96, 6) and loop.meta.slots.slot_offset(1) == 0
     row = loop.dm.get_cache(1).block_row(0)
     plan = loop.meta.advance_slot_for_context(req, range(96, 128))
     # the base for a store: target positions, onto row[s // P] -- pages the request holds
     assert plan.positions.tolist() == list(range(96, 128))
     assert plan.pages[0].tolist() == [row[s // 16] for s in range(96, 128)]
     assert set(plan.pages[0].tolist()) <= held(loop, 1)
-    assert loop.meta.slot_state(1) == (128, 6)
+    assert loop.meta.slots.slot_state(1) == (128, 6)
     prep = loop.meta.generation_prep()[0]
     # the rebased view: row[6:], 32 tokens, shifted by the base
     assert prep.shift.tolist() == [6]
@@ -70,9 +70,9 @@ def test_a_continuation_chunk_goes_on_at_the_slot_length():
     t = truth(200, 1)
     loop.add_context_request(1, t, 100, chunk=40)
     loop.step(chunks={1: 40})
-    assert loop.meta.slot_state(1) == (40, 0)
+    assert loop.meta.slots.slot_state(1) == (40, 0)
     loop.step(chunks={1: 40})
-    assert loop.meta.slot_state(1) == (80, 0)
+    assert loop.meta.slots.slot_state(1) == (80, 0)
     assert loop.meta.seeds == {}  # continuations are not re-placed
     loop.checker.assert_clean()
 
@@ -83,7 +83,7 @@ def test_paired_pool_stores_at_the_target_position_and_reads_from_position_0():
     batch = ScheduledRequests(context_requests=[req])
     loop.dm.prepare_resources(batch)
     loop.meta.prepare_step(batch, loop.dm)
-    assert loop.meta.slot_state(1) == (96, 0)
+    assert loop.meta.slots.slot_state(1) == (96, 0)
     # the prefix's drafter K/V is in the paired pool (block reuse); simulate it
     t = torch.tensor(req.tokens + [0])
     pos = torch.arange(0, 96)
@@ -108,8 +108,8 @@ def test_unrebased_reader_opt_out_keeps_slot_local_numbering_except_on_a_paired_
     batch = ScheduledRequests(context_requests=[req])
     loop.dm.prepare_resources(batch)
     loop.meta.prepare_step(batch, loop.dm)
-    assert loop.meta.slot_state(1) == ((96, 0) if joint else (0, 0))
-    assert loop.meta.slot_offset(1) == (0 if joint else 96)
+    assert loop.meta.slots.slot_state(1) == ((96, 0) if joint else (0, 0))
+    assert loop.meta.slots.slot_offset(1) == (0 if joint else 96)
 
 
 # --------------------------------------------------------------------------- rebased reads, block writes
@@ -121,7 +121,7 @@ def test_block_is_written_into_pages_the_request_holds_through_the_rebased_view(
     row0 = loop.dm.get_cache(1).block_row(0)
     assert row0[0] == -1  # released: the cpp export shows page 0 there
     loop.step()
-    L, b = loop.meta.slot_state(1)
+    L, b = loop.meta.slots.slot_state(1)
     assert b == 1000 // 16 and L == b * 16 + 1  # seeded at 992, one token stored
     prep = loop.meta.generation_prep()[0]
     row = loop.dm.get_cache(1).block_row(0)
@@ -157,8 +157,8 @@ def test_generation_seed_is_position_aligned_on_a_windowed_pool_without_the_trai
     loop.add_disagg_request(1, truth(1300, 1), 1000)
     for _ in range(40):
         loop.step()
-    assert loop.meta.seeds == {} and loop.meta.slot_offset(1) == 0
-    L, b = loop.meta.slot_state(1)
+    assert loop.meta.seeds == {} and loop.meta.slots.slot_offset(1) == 0
+    L, b = loop.meta.slots.slot_state(1)
     assert b == 32  # ceil(1000 / 32)
     loop.checker.assert_clean()
 
@@ -181,7 +181,7 @@ def test_generation_seed_in_a_private_arena_starts_at_zero():
     loop.add_disagg_request(1, truth(900, 2), 300)
     loop.step()
     assert loop.meta.seeds[1] == SlotStart(0, 0, 300)
-    assert loop.meta.private_arena
+    assert loop.meta.slots.private_arena
     for _ in range(20):
         loop.step()
     loop.checker.assert_clean()
@@ -191,19 +191,19 @@ def test_a_clamped_context_stays_absolute_on_a_shared_pool_and_clamps_stores_in_
     meta = DFlashDraftSlots(2, block_size=4, tokens_per_block=16, max_ctx_len=256)
     req = gen_req(1, 400)
     meta.prepare_step(ScheduledRequests(generation_requests=[req]), None)  # arena: (0, 0)
-    assert meta.slot_state(1) == (0, 0)
+    assert meta.slots.slot_state(1) == (0, 0)
     prep = meta.prepare_generation({1: 3})[0]
     assert prep.new_ctx_len.tolist() == [3]
     loop = DraftLoop.build(windows=(None,), tokens_per_block=16, max_seq_len=512, pages=64)
-    loop.meta.max_ctx_len = 250
+    loop.meta.slots.max_ctx_len = 250
     loop.add_disagg_request(1, truth(500, 1), 290)
     loop.step()
     # Shared pool: the seed is not clamped (p = 290 stays absolute, lag 2 < P) ...
     assert loop.meta.seeds[1] == SlotStart(288, 18, 2)
     for _ in range(12):
         loop.step()
-    L, b = loop.meta.slot_state(1)
-    assert L + loop.meta.slot_offset(1) == len(loop.requests[1].tokens) - 1  # ... nor are stores
+    L, b = loop.meta.slots.slot_state(1)
+    assert L + loop.meta.slots.slot_offset(1) == len(loop.requests[1].tokens) - 1  # ... nor are stores
     assert L - b * 16 <= 250
     loop.checker.assert_clean()
 
@@ -213,15 +213,15 @@ def test_a_reused_slot_starts_with_base_0():
     loop = DraftLoop.build(windows=(64,), tokens_per_block=16, pages=64, max_batch_size=1)
     loop.add_disagg_request(1, truth(1200, 1), 1000)
     loop.step()
-    slot = loop.meta.slot_of(1)
-    assert loop.meta.base_pages_host[slot] == 62
+    slot = loop.meta.slots.slot_of(1)
+    assert loop.meta.slots.base_pages_host[slot] == 62
     loop.finish(1)
-    assert loop.meta.base_pages_host[slot] == 0 and int(loop.meta.base_pages[slot]) == 0
+    assert loop.meta.slots.base_pages_host[slot] == 0 and int(loop.meta.slots.base_pages[slot]) == 0
     loop.add_context_request(2, truth(300, 2), 100)
     loop.step()
-    assert loop.meta.slot_of(2) == slot
-    assert loop.meta.slot_state(2) == (100, 0)
-    loop.meta.check_host_mirror()
+    assert loop.meta.slots.slot_of(2) == slot
+    assert loop.meta.slots.slot_state(2) == (100, 0)
+    loop.meta.slots.check_host_mirror()
     loop.checker.assert_clean()
 
 
@@ -229,38 +229,38 @@ def test_a_slot_reused_without_an_explicit_free_also_starts_with_base_0():
     loop = DraftLoop.build(windows=(64,), tokens_per_block=16, pages=64, max_batch_size=1)
     loop.add_disagg_request(1, truth(1200, 1), 1000)
     loop.step()
-    slot = loop.meta.slot_of(1)
+    slot = loop.meta.slots.slot_of(1)
     # the request departs through the manager only; prepare() notices the missing mirror
     loop.dm.free_resources(1)
     loop.requests.pop(1)
     loop.truth.pop(1)
     loop.add_context_request(2, truth(300, 2), 40)
     loop.step()
-    assert not loop.meta.has_slot(1)
-    assert loop.meta.slot_of(2) == slot and loop.meta.slot_state(2) == (40, 0)
-    loop.meta.check_host_mirror()
+    assert not loop.meta.slots.has_slot(1)
+    assert loop.meta.slots.slot_of(2) == slot and loop.meta.slots.slot_state(2) == (40, 0)
+    loop.meta.slots.check_host_mirror()
 
 
 def test_base_survives_a_rollback_and_is_rolled_back_with_the_lengths():
     loop = DraftLoop.build(windows=(64,), tokens_per_block=16, pages=64)
     loop.add_disagg_request(1, truth(1200, 1), 1000)
     loop.step()
-    L0, b0 = loop.meta.slot_state(1)
-    snap = loop.meta.snapshot()
+    L0, b0 = loop.meta.slots.slot_state(1)
+    snap = loop.meta.slots.snapshot()
     loop.meta.prepare_generation({1: 3})
-    assert loop.meta.slot_state(1) == (L0 + 3, b0)
+    assert loop.meta.slots.slot_state(1) == (L0 + 3, b0)
     loop.meta.rollback(snap)
-    assert loop.meta.slot_state(1) == (L0, b0)  # the base survives
-    loop.meta.check_host_mirror()
+    assert loop.meta.slots.slot_state(1) == (L0, b0)  # the base survives
+    loop.meta.slots.check_host_mirror()
     # a base changed after the snapshot (slot lost and reseeded elsewhere) comes back too
     loop.meta.evict(1)
     loop.requests[1].tokens.extend(truth(1200, 1)[len(loop.requests[1].tokens) : 1040])
     loop.meta.prepare_step(ScheduledRequests(generation_requests=[loop.requests[1]]), loop.dm)
-    assert loop.meta.slot_state(1)[1] != b0
+    assert loop.meta.slots.slot_state(1)[1] != b0
     loop.meta.rollback(snap)
-    assert loop.meta.slot_state(1) == (L0, b0)
-    assert loop.meta.base_pages.tolist()[loop.meta.slot_of(1)] == b0
-    loop.meta.check_host_mirror()
+    assert loop.meta.slots.slot_state(1) == (L0, b0)
+    assert loop.meta.slots.base_pages.tolist()[loop.meta.slots.slot_of(1)] == b0
+    loop.meta.slots.check_host_mirror()
 
 
 def test_an_optimistic_commit_rolled_back_reads_only_what_was_accepted():
@@ -270,8 +270,8 @@ def test_an_optimistic_commit_rolled_back_reads_only_what_was_accepted():
     for i in range(30):
         loop.step(optimistic=[1], accept_cap={1: i % 3})
     loop.checker.assert_clean()
-    loop.meta.check_host_mirror()
-    assert loop.meta.slot_state(1)[0] == len(loop.requests[1].tokens) - 1
+    loop.meta.slots.check_host_mirror()
+    assert loop.meta.slots.slot_state(1)[0] == len(loop.requests[1].tokens) - 1
 
 
 # --------------------------------------------------------------------------- dummies
@@ -281,8 +281,8 @@ def test_each_dummy_row_gets_its_own_dummy_slot_and_touches_only_its_own_pages()
     loop.step(dummies=2, dummy_tokens=50)
     dummy = loop.meta.dummy_slot
     assert [r.slot for r in loop.meta.rows if r.kind == "dummy"] == [dummy, dummy + 1]
-    assert loop.meta.slot_state(1)[0] == 64
-    assert loop.meta.ctx_len_host[dummy] == 48 and loop.meta.base_pages_host[dummy] == 3
+    assert loop.meta.slots.slot_state(1)[0] == 64
+    assert loop.meta.slots.ctx_len_host[dummy] == 48 and loop.meta.slots.base_pages_host[dummy] == 3
     loop.checker.assert_clean()
     loop.dm.check_accounting()
     assert loop.dm.request_ids() == [1]
@@ -291,12 +291,12 @@ def test_each_dummy_row_gets_its_own_dummy_slot_and_touches_only_its_own_pages()
 # --------------------------------------------------------------------------- errors
 def state(meta: DFlashDraftSlots):
     return (
-        meta.live_requests(),
-        meta.free_slots,
-        meta.ctx_len_host,
-        meta.base_pages_host,
-        meta.ctx_len.tolist(),
-        meta.base_pages.tolist(),
+        meta.slots.live_requests(),
+        meta.slots.free_slots,
+        meta.slots.ctx_len_host,
+        meta.slots.base_pages_host,
+        meta.slots.ctx_len.tolist(),
+        meta.slots.base_pages.tolist(),
     )
 
 
@@ -315,7 +315,7 @@ def test_no_free_slot_names_the_requests_and_counts_and_changes_nothing():
 
 def test_unknown_request_ids_raise_key_errors_naming_them():
     meta = DFlashDraftSlots(2, block_size=4, tokens_per_block=16)
-    for call in (meta.evict, meta.free, meta.slot_of, meta.slot_state, meta.row_index):
+    for call in (meta.evict, meta.free, meta.slots.slot_of, meta.slots.slot_state, meta.row_index):
         with pytest.raises(KeyError, match="request 77"):
             call(77)
     meta.free(77, missing_ok=True)
@@ -380,7 +380,7 @@ def test_the_drafter_reads_only_inside_its_slot_span(trail):
         loop.step(chunks={2: 64})
         assert any(positions for _, positions in seen)
         for rid, positions in seen:
-            L, b = loop.meta.slot_state(rid)
+            L, b = loop.meta.slots.slot_state(rid)
             assert not positions or max(positions) < L + 4
             assert all(p >= b * 16 for p in positions if p < L)
     loop.checker.assert_clean()

@@ -57,8 +57,8 @@ def test_eager_and_fused_preparation_are_identical_on_random_workloads(w):
         meta = DFlashDraftSlots(S - 1, block_size=bs, tokens_per_block=P, max_ctx_len=max(max_ctx, P), fused=fused,
                                   max_new_tokens=max_new, backend=backend)
         meta.slot_ids = torch.randint(0, S, (B,), generator=torch.Generator().manual_seed(seed + 1))
-        meta.ctx_len = torch.randint(0, max_ctx + 1, (S,), generator=torch.Generator().manual_seed(seed + 2))
-        meta.base_pages = torch.randint(0, M + 3, (S,), generator=torch.Generator().manual_seed(seed + 3))
+        meta.slots.ctx_len = torch.randint(0, max_ctx + 1, (S,), generator=torch.Generator().manual_seed(seed + 2))
+        meta.slots.base_pages = torch.randint(0, M + 3, (S,), generator=torch.Generator().manual_seed(seed + 3))
         meta.tables = [BlockTables(tables, extents)]
         metas.append(meta)
     n = torch.randint(0, max_new + 1, (B,), generator=torch.Generator().manual_seed(seed + 4))
@@ -66,7 +66,7 @@ def test_eager_and_fused_preparation_are_identical_on_random_workloads(w):
 
     eager = metas[0]._eager_prep(metas[0].tables[0], n, max_ctx=max_ctx)
     fused = prepare_paged_latent(
-        tables, extents, metas[1].slot_ids, metas[1].ctx_len, metas[1].base_pages, n,
+        tables, extents, metas[1].slot_ids, metas[1].slots.ctx_len, metas[1].slots.base_pages, n,
         block_size=bs, tokens_per_block=P, max_ctx=max_ctx, max_new=max_new,
     )
     same(eager, fused)
@@ -90,7 +90,7 @@ def _run(fused: bool, windows, backend: str, seed: int):
             accept_cap=lambda rid: rng.randrange(4),
             optimistic=[0] if step % 2 else [],
         )
-        log.append((res.accepted, res.drafts, loop.meta.ctx_len_host, loop.meta.base_pages_host))
+        log.append((res.accepted, res.drafts, loop.meta.slots.ctx_len_host, loop.meta.slots.base_pages_host))
         log.append([loop.meta.generation_prep()[g].tensors() for g in range(loop.dm.num_pools)])
         if step == 5:
             loop.evict(2)

@@ -31,12 +31,12 @@ MAX_BATCH = 3
 
 def meta_state(meta):
     return (
-        meta.live_requests(),
-        meta.free_slots,
-        meta.ctx_len_host,
-        meta.base_pages_host,
-        meta.ctx_len.tolist(),
-        meta.base_pages.tolist(),
+        meta.slots.live_requests(),
+        meta.slots.free_slots,
+        meta.slots.ctx_len_host,
+        meta.slots.base_pages_host,
+        meta.slots.ctx_len.tolist(),
+        meta.slots.base_pages.tolist(),
     )
 
 
@@ -121,9 +121,9 @@ class DraftKVMachine(RuleBasedStateMachine):
         live = self.live
         chosen = sorted(rng.sample(live, min(len(live), rng.randint(1, MAX_BATCH))))
         # the executor evicts slots of requests it does not schedule when slots run out
-        need = sum(1 for r in chosen if not loop.meta.has_slot(r))
-        holders = [r for r in loop.meta.live_requests() if r not in chosen]
-        while len(loop.meta.free_slots) < need and holders:
+        need = sum(1 for r in chosen if not loop.meta.slots.has_slot(r))
+        holders = [r for r in loop.meta.slots.live_requests() if r not in chosen]
+        while len(loop.meta.slots.free_slots) < need and holders:
             loop.evict(holders.pop(0))
         caps = {r: rng.randrange(BS) for r in chosen}
         opt = [r for r in chosen if optimistic and rng.random() < 0.5]
@@ -146,7 +146,7 @@ class DraftKVMachine(RuleBasedStateMachine):
         free_before = loop.dm.free_pages()
         loop.finish(rid)
         assert [a + h for a, h in zip(free_before, held)] == list(loop.dm.free_pages())
-        assert not loop.meta.has_slot(rid) and not loop.dm.has_cache(rid)
+        assert not loop.meta.slots.has_slot(rid) and not loop.dm.has_cache(rid)
 
     @precondition(lambda self: self.loop is not None and any(
         self.loop.requests[r].is_generation_in_progress_state for r in self.loop.requests))
@@ -155,10 +155,10 @@ class DraftKVMachine(RuleBasedStateMachine):
         gen = self._generating()
         self._finish(gen[pick % len(gen)])
 
-    @precondition(lambda self: self.loop is not None and self.loop.meta.live_requests())
+    @precondition(lambda self: self.loop is not None and self.loop.meta.slots.live_requests())
     @rule(pick=st.integers(0, 100))
     def evict(self, pick):
-        holders = sorted(self.loop.meta.live_requests())
+        holders = sorted(self.loop.meta.slots.live_requests())
         self.loop.evict(holders[pick % len(holders)])
 
     @precondition(lambda self: self.loop is not None and not self.errors_checked and self.loop.requests)
@@ -174,13 +174,13 @@ class DraftKVMachine(RuleBasedStateMachine):
             loop.meta.free(999999)
         # more new requests than free slots: NoFreeSlotError, nothing changes
         extra = []
-        for _ in range(len(loop.meta.free_slots) + 1):
+        for _ in range(len(loop.meta.slots.free_slots) + 1):
             rid = self._new_id()
             extra.append(loop.add_context_request(rid, self._truth(60, rid), 40))
         batch = ScheduledRequests(context_requests=extra)
         loop.dm.prepare_resources(batch)
         before_with_mirrors = meta_state(loop.meta)
-        with pytest.raises(NoFreeSlotError, match=f"{len(extra)} needed, {len(loop.meta.free_slots)} free"):
+        with pytest.raises(NoFreeSlotError, match=f"{len(extra)} needed, {len(loop.meta.slots.free_slots)} free"):
             loop.meta.prepare_step(batch, loop.dm)
         assert meta_state(loop.meta) == before_with_mirrors == before
         for req in extra:
@@ -215,14 +215,14 @@ class DraftKVMachine(RuleBasedStateMachine):
         if self.loop is None:
             return
         meta = self.loop.meta
-        meta.check_host_mirror()
-        live = meta.live_requests()
-        assert len(live) + len(meta.free_slots) == MAX_BATCH
+        meta.slots.check_host_mirror()
+        live = meta.slots.live_requests()
+        assert len(live) + len(meta.slots.free_slots) == MAX_BATCH
         assert sorted(live.values()) == sorted(set(live.values()))
         assert set(live) <= set(self.loop.requests)
         for rid, slot in live.items():
-            L, b = meta.ctx_len_host[slot], meta.base_pages_host[slot]
-            assert 0 <= L <= meta.max_ctx_len and b >= 0
+            L, b = meta.slots.ctx_len_host[slot], meta.slots.base_pages_host[slot]
+            assert 0 <= L <= meta.slots.max_ctx_len and b >= 0
             assert L >= b * P or L > (b - 1) * P  # page-aligned, or position-aligned with the base rounded up
 
 

@@ -194,7 +194,7 @@ def test_a_seeded_slot_starts_at_the_prompt_end_with_its_base_on_the_first_recei
     batch = ScheduledRequests(generation_requests=[req])
     loop.dm.prepare_resources(batch)
     loop.meta.prepare_step(batch, loop.dm)
-    assert loop.meta.slot_state(5) == (m, lo // 16) and loop.meta.slot_offset(5) == 0
+    assert loop.meta.slots.slot_state(5) == (m, lo // 16) and loop.meta.slots.slot_offset(5) == 0
     assert loop.meta.seeds[5] == start and loop.meta.slots.last_context_seeded == (5,)
     assert loop.meta.slots.pending_context_seed(5) is None  # used once
     prep = loop.meta.generation_prep()[0]
@@ -202,7 +202,7 @@ def test_a_seeded_slot_starts_at_the_prompt_end_with_its_base_on_the_first_recei
     # a slot lost afterwards is reseeded empty: the received context seeds only the first slot
     loop.meta.evict(5)
     loop.meta.prepare_step(batch, loop.dm)
-    L, b = loop.meta.slot_state(5)
+    L, b = loop.meta.slots.slot_state(5)
     assert L == b * 16 == (m // 16) * 16 and loop.meta.slots.last_context_seeded == ()
 
 
