@@ -6,7 +6,7 @@ then times generation steps: one `prepare_resources` plus one
 `update_resources`, with three tokens accepted per step (mean over 64 steps). Two sweeps: the batch
 (B = 1 .. 1024 at a 131k prompt) and the prompt (32k .. 2M at B = 64). Then,
 at B = 256 with max_seq_len 528k, the block-offset export and
-`DFlashDraftSlots.prepare`, each beside a baseline in the same run: the
+`DFlashDraftSlots.prepare_step`, each beside a baseline in the same run: the
 baseline converts every row of the batch from scratch at max_blocks_per_seq
 columns (and decodes the offsets with the torch reference), as the export did
 before it kept numpy rows. A manager step runs between timed calls, so rows
