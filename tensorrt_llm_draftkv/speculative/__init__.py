@@ -19,7 +19,8 @@ from .handoff import (
     handoff_bytes,
 )
 from .slot_rules import Seeding, SlotStart, StartRules, context_store_start, generation_seed, page_aligned_seed
-from .slot_table import NoFreeSlotError, SlotSnapshot, SlotTable
+from .slot_plan import SlotSnapshot
+from .slot_table import NoFreeSlotError, SlotTable
 from .spec_metadata import SpecMetadata
 from .worker_pool import DraftStoreRefused
 

@@ -35,7 +35,7 @@ from ..request import ScheduledRequests
 from .draft_pool import DraftPool
 from .draft_slots import DFlashDraftSlots
 from .slot_table import SlotSnapshot
-from .worker_pool import DraftStoreRefused, PoolBinding, arena_binding, pool_binding
+from .worker_pool import PoolBinding, arena_binding, pool_binding
 
 #: Upstream's CUDA-graph padding ids count down from this one.
 CUDA_GRAPH_DUMMY_REQUEST_ID = (1 << 64) - 1
@@ -403,4 +403,4 @@ def _model_shape(draft_model: Any) -> dict[str, int]:
     return {ours: int(getattr(draft_model, name)) for name, ours in names.items() if hasattr(draft_model, name)}
 
 
-__all__ = ["CUDA_GRAPH_DUMMY_REQUEST_ID", "DFlashWorker", "DraftStoreRefused"]
+__all__ = ["CUDA_GRAPH_DUMMY_REQUEST_ID", "DFlashWorker"]

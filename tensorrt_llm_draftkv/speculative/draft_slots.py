@@ -40,7 +40,8 @@ from .addressing import ContextStorePlan, Row, required_extra_kv_tokens
 from .draft_pool import DraftPool
 from .handoff_seed import check_seed_range, mirror_backed_from
 from .slot_rules import Seeding, SlotStart
-from .slot_table import NoFreeSlotError, SlotPlan, SlotSnapshot, SlotTable
+from .slot_plan import SlotPlan, SlotSnapshot
+from .slot_table import SlotTable
 
 def _check_args(max_batch_size: int, block_size: int, tokens_per_block: int, max_ctx_len: int, backend: str) -> None:
     if max_batch_size < 1:
@@ -315,12 +316,4 @@ class DFlashDraftSlots:
         return self._prep
 
 
-__all__ = [
-    "ContextStorePlan",
-    "DFlashDraftSlots",
-    "NoFreeSlotError",
-    "Row",
-    "SlotSnapshot",
-    "SlotTable",
-    "required_extra_kv_tokens",
-]
+__all__ = ["DFlashDraftSlots"]

@@ -37,7 +37,7 @@ integers, version first. A receiver checks it against its own with
 :meth:`DrafterContextGeometry.check_compatible`, which raises
 :class:`DrafterContextMismatch` naming both geometries. The receiver's checks
 before seeding a slot (:func:`check_seed_range`, :func:`mirror_backed_from`)
-live in :mod:`.handoff_seed` and are re-exported here.
+live in :mod:`.handoff_seed`.
 """
 from __future__ import annotations
 
@@ -48,7 +48,6 @@ import torch
 
 from ..config import ParsableEnum, parse_dtype
 from .draft_pool import DraftPool
-from .handoff_seed import check_seed_range, mirror_backed_from
 
 #: Bumped whenever the meaning or layout of the wire header changes.
 HANDOFF_VERSION = 1
@@ -377,7 +376,5 @@ __all__ = [
     "HandoffBytes",
     "HandoffForm",
     "MAX_HANDOFF_GROUPS",
-    "check_seed_range",
     "handoff_bytes",
-    "mirror_backed_from",
 ]

@@ -14,7 +14,7 @@ and frees them (telling every release listener), clamps what a slot stores
 and reads against ``max_ctx_len``, and keeps a received drafter context
 (disaggregated handoff, absolute ``[lo, end)``) until the request's first slot
 is seeded from it. Its value types, a step's :class:`SlotPlan` and the
-:class:`SlotSnapshot`, live in :mod:`.slot_plan` and are re-exported here.
+:class:`SlotSnapshot`, live in :mod:`.slot_plan`.
 """
 from __future__ import annotations
 
@@ -367,7 +367,5 @@ __all__ = [
     "NO_STORE_LIMIT",
     "NoFreeSlotError",
     "ReleaseListener",
-    "SlotPlan",
-    "SlotSnapshot",
     "SlotTable",
 ]

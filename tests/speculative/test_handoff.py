@@ -19,8 +19,8 @@ from tensorrt_llm_draftkv.speculative.handoff import (
     DrafterContextMismatch,
     HandoffForm,
     handoff_bytes,
-    mirror_backed_from,
 )
+from tensorrt_llm_draftkv.speculative.handoff_seed import mirror_backed_from
 from support import ceil_div, truth
 
 
