@@ -23,7 +23,6 @@ from ..kernels import (
     PagedLatentPrep,
     decode_draft_block_table,
     prepare_paged_latent,
-    rebase_block_table,
 )
 from ..kernels.spec_tail_kernels import triton_runs
 from ..request import LlmRequest
@@ -227,50 +226,6 @@ def _new_lengths(
     return new_host
 
 
-def eager_prep(
-    bt: BlockTables,
-    slot_ids: torch.Tensor,
-    ctx_len: torch.Tensor,
-    base_pages: torch.Tensor,
-    n_t: torch.Tensor,
-    *,
-    tokens_per_block: int,
-    block_size: int,
-    max_new: int,
-    max_ctx: int,
-) -> PagedLatentPrep:
-    """The same preparation as the fused kernel, composed from the reference rebase and plain torch.
-
-    ``ctx_len`` / ``base_pages`` are per slot (tokens / pages), ``n_t`` per row;
-    store targets are ordinals of the unrebased table, reads the rebased rows.
-    """
-    P, bs = tokens_per_block, block_size
-    tables, extents = bt.tables, bt.extents
-    B, M = tables.shape
-    dev = tables.device
-    base = base_pages.index_select(0, slot_ids)
-    L = ctx_len.index_select(0, slot_ids)
-    rb = rebase_block_table(tables, extents, base, impl="reference")
-    new_ctx = torch.clamp(L + n_t, max=max_ctx)
-    read_lens = torch.minimum((new_ctx - base * P).clamp_min(0), rb.extents * P)
-    query_pos = new_ctx[:, None] + torch.arange(bs, dtype=torch.int64, device=dev)[None, :]
-    i = torch.arange(max_new, dtype=torch.int64, device=dev)[None, :]
-    pos = L[:, None] + i
-    valid = (i < n_t[:, None]) & (pos < max_ctx) & (pos >= 0)
-    ordinal = torch.where(valid, pos, 0) // P
-    in_table = valid & (ordinal < M)
-    pages = tables.long().gather(1, torch.where(in_table, ordinal, 0)) if M else ordinal
-    return PagedLatentPrep(
-        read_rows=rb.rows,
-        read_lens=read_lens,
-        query_pos=query_pos,
-        store_pages=torch.where(in_table, pages, -1).to(torch.int32),
-        store_offsets=torch.where(valid, pos % P, -1).to(torch.int32),
-        new_ctx_len=new_ctx,
-        shift=rb.shift,
-    )
-
-
 def prepare_generation(
     slots: SlotTable,
     rows: Sequence[Row],
@@ -286,8 +241,8 @@ def prepare_generation(
     """One :class:`PagedLatentPrep` per pool; advances every row's slot to ``min(L + n, limit)``.
 
     Bases are raised before the launch, so the read is clamped with the new
-    length. Fused: one ``prepare_paged_latent`` launch per pool; eager:
-    :func:`eager_prep`.
+    length. One ``prepare_paged_latent`` per pool: the kernel when ``fused``,
+    else its torch reference (``impl="reference"``).
     """
     new_host = _new_lengths(slots, rows, counts, max_new, check_room)
     consumed = {row.slot: n for row, n in zip(rows, counts)}
@@ -297,14 +252,10 @@ def prepare_generation(
     kw = dict(block_size=block_size, tokens_per_block=slots.tokens_per_block, max_new=max_new)
     preps = []
     for bt in tables:
-        if fused:
-            prep = prepare_paged_latent(
-                bt.tables, bt.extents, slot_ids, slots.ctx_len, slots.base_pages, n_t,
-                max_ctx=slots.store_limit(), **kw,
-            )
-        else:
-            prep = eager_prep(bt, slot_ids, slots.ctx_len, slots.base_pages, n_t, max_ctx=slots.store_limit(), **kw)
-        preps.append(prep)
+        preps.append(prepare_paged_latent(
+            bt.tables, bt.extents, slot_ids, slots.ctx_len, slots.base_pages, n_t,
+            max_ctx=slots.store_limit(), impl=None if fused else "reference", **kw,
+        ))
     if rows:
         slots.ctx_len.index_copy_(0, slot_ids, preps[0].new_ctx_len)
     for slot, new in new_host.items():
@@ -318,7 +269,6 @@ __all__ = [
     "check_block_room",
     "check_pool",
     "decode_tables",
-    "eager_prep",
     "generation_counts",
     "advance_slot_for_context",
     "prepare_generation",

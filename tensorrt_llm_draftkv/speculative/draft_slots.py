@@ -23,7 +23,7 @@ Executor call order, every step (``drafter``: the simulator's toy drafter)::
 
 The draft manager must leave room for the block: ``max_draft_len =
 block_size - 1``, ``num_extra_kv_tokens >= block_size``
-(:func:`required_extra_kv_tokens`). Errors are explicit and change nothing: an
+(:func:`.addressing.required_extra_kv_tokens`). Errors are explicit and change nothing: an
 unknown request is a ``KeyError`` naming the live slots, running out of slots a
 :class:`NoFreeSlotError` naming the requests and the counts.
 """
@@ -36,7 +36,7 @@ import torch
 from ..kernels import BlockTables, PagedLatentPrep
 from ..request import LlmRequest, ScheduledRequests
 from . import addressing, row_placement
-from .addressing import ContextStorePlan, Row, required_extra_kv_tokens
+from .addressing import ContextStorePlan, Row
 from .draft_pool import DraftPool
 from .handoff_seed import check_seed_range, mirror_backed_from
 from .slot_rules import Seeding, SlotStart
@@ -287,7 +287,7 @@ class DFlashDraftSlots:
         mapping request id -> count (absent rows 0). Context and dummy rows
         store nothing here. Advances each slot's ``ctx_len`` to ``min(L + n,
         max_ctx_len)``. The fused path is one ``prepare_paged_latent`` launch per
-        pool; the eager path is the reference decode/rebase plus plain torch.
+        pool; without it, its torch reference (`impl="reference"`).
         """
         counts = addressing.generation_counts(num_new, self.request_ids)
         self._check_rows_current()
@@ -296,17 +296,6 @@ class DFlashDraftSlots:
             max_new=self.max_new_tokens, fused=self.fused, check_room=self._check_room,
         )
         return self._prep
-
-    def _eager_prep(self, bt: BlockTables, n_t: torch.Tensor, max_ctx: int | None = None) -> PagedLatentPrep:
-        """The fused kernel's preparation for this step's rows, composed from the torch reference.
-
-        ``max_ctx``: the store limit (default: this step's).
-        """
-        return addressing.eager_prep(
-            bt, self.slot_ids, self.slots.ctx_len, self.slots.base_pages, n_t, tokens_per_block=self.tokens_per_block,
-            block_size=self.block_size, max_new=self.max_new_tokens,
-            max_ctx=self.slots.store_limit() if max_ctx is None else max_ctx,
-        )
 
     def generation_prep(self) -> list[PagedLatentPrep]:
         """This step's preparation; computed with no new tokens if nothing was committed yet."""

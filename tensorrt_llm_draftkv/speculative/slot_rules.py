@@ -205,11 +205,6 @@ class StartRules:
             seeding=self.seeding,
         )
 
-def rebased_view(ctx_len: int, base_pages: int, tokens_per_block: int) -> tuple[int, int]:
-    """``(first ordinal, context length)`` a read sees: ``row[b:]`` and ``max(L - b*P, 0)``."""
-    return base_pages, max(ctx_len - base_pages * tokens_per_block, 0)
-
-
 def read_window_start(read_len: int, block_size: int, window: int | None) -> int:
     """First context token (rebased index) the block decode attends.
 

@@ -64,11 +64,11 @@ def test_eager_and_fused_preparation_are_identical_on_random_workloads(w):
     n = torch.randint(0, max_new + 1, (B,), generator=torch.Generator().manual_seed(seed + 4))
     from tensorrt_llm_draftkv.kernels import prepare_paged_latent
 
-    eager = metas[0]._eager_prep(metas[0].tables[0], n, max_ctx=max_ctx)
-    fused = prepare_paged_latent(
-        tables, extents, metas[1].slot_ids, metas[1].slots.ctx_len, metas[1].slots.base_pages, n,
-        block_size=bs, tokens_per_block=P, max_ctx=max_ctx, max_new=max_new,
-    )
+    kw = dict(block_size=bs, tokens_per_block=P, max_ctx=max_ctx, max_new=max_new)
+    eager = prepare_paged_latent(tables, extents, metas[0].slot_ids, metas[0].slots.ctx_len,
+                                 metas[0].slots.base_pages, n, impl="reference", **kw)
+    fused = prepare_paged_latent(tables, extents, metas[1].slot_ids, metas[1].slots.ctx_len,
+                                 metas[1].slots.base_pages, n, **kw)
     same(eager, fused)
 
 

@@ -58,9 +58,8 @@ def test_page_aligned_seed_needs_the_trail_page_on_windowed_pools():
 
 
 def test_read_window_start():
-    from tensorrt_llm_draftkv.speculative.slot_rules import read_window_start, rebased_view
+    from tensorrt_llm_draftkv.speculative.slot_rules import read_window_start
 
     assert read_window_start(100, 4, None) == 0
     assert read_window_start(100, 4, 64) == 40  # the block and its context span the last 64 positions
     assert read_window_start(10, 4, 64) == 0
-    assert rebased_view(130, 3, 32) == (3, 34) and rebased_view(100, 4, 32) == (4, 0)
