@@ -319,7 +319,13 @@ def build_scenario(args: argparse.Namespace):
         except ValueError as err:
             raise UsageError("--shared-prefix", str(err)) from None
     else:
-        runs = scenario.runs or DEFAULT_SCENARIO.runs  # a config file without runs: the default's
+        if args.config and not scenario.runs:  # `{}` or `"runs": []`: never the built-in runs behind the user's back
+            raise UsageError(
+                "--config",
+                f"{args.config} has no runs (its 'runs' list is missing or empty): add the runs to execute "
+                "(--print-config shows the format) or give --prompts",
+            )
+        runs = scenario.runs
         overridden = {field: None for field in RUN_OVERRIDES if field in changes}
         if args.concurrency:
             overridden["max_concurrency"] = args.concurrency
@@ -349,6 +355,28 @@ def build_scenario(args: argparse.Namespace):
     return scenario
 
 
+def sizings_asked(args: argparse.Namespace) -> list[str]:
+    """The sizings `--sizing` asks for, history first."""
+    return ["history", "legacy"] if args.sizing == "both" else [args.sizing]
+
+
+def check_something_runs(scenario, sizings: list[str]) -> None:
+    """At least one (run, sizing) pair runs: else a usage error saying why each run is left out."""
+    if any(spec.runs_under(sizing, scenario.setup) for spec in scenario.runs for sizing in sizings):
+        return
+    reasons = []
+    for spec in scenario.runs:
+        reuse = spec.setup_for(scenario.setup).block_reuse
+        if reuse != "off":
+            reasons.append(f"{spec.name} has block reuse {reuse}, which runs under history sizing only")
+        else:
+            reasons.append(f"{spec.name} runs under {' and '.join(spec.sizings or ())} sizing only")
+    fix = "use --sizing history or both"
+    if any("block reuse" in r for r in reasons):
+        fix += ", or --block-reuse off"
+    raise UsageError("--sizing", f"{' and '.join(sizings)} leaves nothing to run: {'; '.join(reasons)}; {fix}")
+
+
 def _notes(scenario) -> list[str]:
     """What a valid but overcommitted scenario will run into (said, not refused: it may be the experiment)."""
     notes = []
@@ -370,6 +398,7 @@ def check_inputs(args: argparse.Namespace):
     if args.json and args.plot and Path(args.json).resolve() == Path(args.plot).resolve():
         raise UsageError("--plot", f"{args.plot} is also the --json file")
     scenario = build_scenario(args)
+    check_something_runs(scenario, sizings_asked(args))
     from_file = args.device is None and args.config is not None
     check_device(scenario.setup.device, f"--config ({args.config}: field device)" if from_file else "--device")
     if args.plot:

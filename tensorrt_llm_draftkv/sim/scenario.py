@@ -439,7 +439,7 @@ class Scenario:
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, base: SimSetup | None = None) -> "Scenario":
         """A scenario from its config-file form. Setup fields left out keep `base`'s (default: `SimSetup()`);
-        without `runs` the scenario has none (the command line then runs the default's)."""
+        without `runs` the scenario has none (the command line then needs `--prompts`)."""
         if not isinstance(data, dict):
             kind = type(data).__name__
             raise ScenarioError("", f"a scenario is a JSON object (SimSetup fields and a runs list), got {kind}")

@@ -1,0 +1,60 @@
+"""A new user's first hour with `simulate`: no silent success, no nonsense limits, no hidden overruns.
+
+Bad inputs run the command in-process (`tensorrt_llm_draftkv.sim.cli.main`) and
+must stop before anything runs: exit status 2, one line naming the option.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tensorrt_llm_draftkv.sim.cli import main
+
+PROG = "python -m tensorrt_llm_draftkv simulate"
+
+
+def usage_error(capsys, *argv: str) -> str:
+    """Run the command in-process; it must refuse with status 2 and one line. Returns that line."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"{PROG}: error: ")
+    return lines[0]
+
+
+# -- 1. silent success ------------------------------------------------------------------------------------------
+def test_legacy_sizing_with_block_reuse_is_refused_not_an_empty_table(capsys):
+    line = usage_error(capsys, "--sizing", "legacy", "--block-reuse", "joint", "--prompts", "1000,2000")
+    assert "argument --sizing: legacy leaves nothing to run" in line
+    assert "user-agg has block reuse joint, which runs under history sizing only" in line
+    assert "--sizing history" in line and "--block-reuse off" in line
+
+
+def test_legacy_sizing_of_a_history_only_run_is_refused(capsys):
+    line = usage_error(capsys, "--sizing", "legacy", "--runs", "agg-16k", "--print-config")
+    assert "legacy leaves nothing to run: agg-16k runs under history sizing only" in line
+
+
+def test_history_sizing_with_block_reuse_still_runs(capsys):
+    assert main(["--sizing", "history", "--block-reuse", "joint", "--prompts", "1000,2000", "--print-config"]) == 0
+
+
+@pytest.mark.parametrize("content", [{"runs": []}, {}, {"chunk": 4096}])
+def test_a_config_file_without_runs_is_refused_not_the_built_in_scenario(capsys, tmp_path, content):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(content))
+    line = usage_error(capsys, "--config", str(path))
+    assert f"argument --config: {path} has no runs" in line and "--prompts" in line
+
+
+def test_a_config_file_without_runs_gives_the_geometry_of_prompts(capsys, tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"chunk": 4096, "runs": []}))
+    assert main(["--config", str(path), "--prompts", "300", "--mode", "aggregated", "--print-config"]) == 0
+    config = json.loads(capsys.readouterr().out)
+    assert config["chunk"] == 4096 and [r["name"] for r in config["runs"]] == ["user-agg"]
