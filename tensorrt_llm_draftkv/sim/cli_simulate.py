@@ -110,6 +110,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     d = DEFAULT_SCENARIO.setup
     # Usage errors are one line (no usage block): argparse calls this parser's `error`.
     p.error = lambda message: _fail(p.prog, message)  # type: ignore[method-assign]
+    p.set_defaults(_prog=p.prog)
     p.description = (
         "Run a scenario under the legacy and the history mirror sizing and print one row per run. Without "
         "--prompts or --config, the embedded default (sim/default_scenario.json; --print-config shows it)."
@@ -408,10 +409,11 @@ def check_inputs(args: argparse.Namespace):
 
 # -- the command ---------------------------------------------------------------------------------------------
 def run_simulate(args: argparse.Namespace) -> int:
+    prog = getattr(args, "_prog", PROG)
     try:
         scenario = check_inputs(args)
     except UsageError as err:
-        _fail(PROG, str(err))
+        _fail(prog, str(err))
     if args.print_config:
         print(json.dumps(scenario.to_dict(), indent=2))
         return 0
@@ -441,5 +443,5 @@ def run_simulate(args: argparse.Namespace) -> int:
         if args.plot:
             write_plot(results, args.plot)
     except OSError as err:  # the folder went away during the run
-        _fail(PROG, f"cannot write {err.filename}: {err.strerror or err}")
+        _fail(prog, f"cannot write {err.filename}: {err.strerror or err}")
     return 0
