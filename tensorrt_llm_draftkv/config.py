@@ -7,6 +7,53 @@ from dataclasses import dataclass, field
 import torch
 
 
+# -- limits: the one rule every entry point applies (KVPoolConfig, `plan`, `simulate`, scenario files) ----------
+#: TensorRT-LLM's page size is a power of two; larger than this is a typo, not a deployment.
+MAX_TOKENS_PER_BLOCK = 1 << 12
+#: Token counts (sequence lengths, windows, chunks) are 32-bit in TensorRT-LLM (SizeType32).
+MAX_TOKENS = (1 << 31) - 1
+#: Page indices in block tables are 32-bit: a pool of more pages cannot be addressed.
+MAX_POOL_PAGES = (1 << 31) - 1
+
+
+def tokens_per_block_problem(tokens_per_block) -> str | None:
+    """Why `tokens_per_block` is not a page size (a power of two in [1, MAX_TOKENS_PER_BLOCK]), or None.
+
+    The text is a phrase for after "<name>: ", e.g. "must be a power of two (1, 2, 4, ..., 4096), got 33".
+    """
+    if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int):
+        return f"must be an integer, got {tokens_per_block!r}"
+    if tokens_per_block < 1:
+        return f"must be >= 1, got {tokens_per_block}"
+    if tokens_per_block > MAX_TOKENS_PER_BLOCK or tokens_per_block & (tokens_per_block - 1):
+        return f"must be a power of two (1, 2, 4, ..., {MAX_TOKENS_PER_BLOCK}), got {tokens_per_block}"
+    return None
+
+
+def window_problem(
+    window, tokens_per_block: int, page_name: str = "tokens_per_block", full: str = "None for full attention"
+) -> str | None:
+    """Why `window` is not an attention window over pages of `tokens_per_block` tokens, or None.
+
+    `None` (full attention) is always fine; a window is at least one page (a shorter one would release
+    the page it is reading) and at most MAX_TOKENS. `page_name` names the page size and `full` says how
+    to ask for full attention, as the caller's user spells them (`--tokens-per-block`, `0 for full
+    attention` on a command line). The text is a phrase for after "<name>: ".
+    """
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int):
+        return f"must be an integer number of tokens, got {window!r}"
+    if window > MAX_TOKENS:
+        return f"must be <= {MAX_TOKENS} tokens, got {window}"
+    if window < tokens_per_block:
+        return (
+            f"a window of {window} tokens is shorter than one page ({page_name} {tokens_per_block}); give a "
+            f"window of at least {tokens_per_block} tokens or {full}"
+        )
+    return None
+
+
 class ParsableEnum(enum.Enum):
     """An enum that also accepts its members' values or names as strings (any case, '-' for '_')."""
 

@@ -97,8 +97,8 @@ handoff_form = _scenario_type("parse_handoff_form")
 block_reuse_mode = _scenario_type("parse_block_reuse")
 
 
-def _fail(prog: str, message: str) -> NoReturn:
-    """Every simulate usage error: one line on stderr, exit status 2 (argparse's own status for usage errors)."""
+def usage_fail(prog: str, message: str) -> NoReturn:
+    """Every usage error (simulate, plan, bench): one line on stderr, exit status 2 (argparse's own status for usage errors)."""
     sys.stderr.write(f"{prog}: error: {message}\n")
     raise SystemExit(2)
 
@@ -109,7 +109,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
 
     d = DEFAULT_SCENARIO.setup
     # Usage errors are one line (no usage block): argparse calls this parser's `error`.
-    p.error = lambda message: _fail(p.prog, message)  # type: ignore[method-assign]
+    p.error = lambda message: usage_fail(p.prog, message)  # type: ignore[method-assign]
     p.set_defaults(_prog=p.prog)
     p.description = (
         "Run a scenario under the legacy and the history mirror sizing and print one row per run. Without "
@@ -413,7 +413,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     try:
         scenario = check_inputs(args)
     except UsageError as err:
-        _fail(prog, str(err))
+        usage_fail(prog, str(err))
     if args.print_config:
         print(json.dumps(scenario.to_dict(), indent=2))
         return 0
@@ -443,5 +443,5 @@ def run_simulate(args: argparse.Namespace) -> int:
         if args.plot:
             write_plot(results, args.plot)
     except OSError as err:  # the folder went away during the run
-        _fail(prog, f"cannot write {err.filename}: {err.strerror or err}")
+        usage_fail(prog, f"cannot write {err.filename}: {err.strerror or err}")
     return 0

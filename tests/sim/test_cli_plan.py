@@ -361,10 +361,16 @@ def test_json_is_written_when_the_pool_is_too_small(capsys, tmp_path):
     assert "the budget buys 1 pages" in report["errors"][0]
 
 
-def test_huge_values_do_not_overflow(capsys):
-    code, out, err = run(capsys, *UPSTREAM, "--pool-gib", "1e300", "--num-layers", "10" * 20)
-    assert code == 0, err
-    assert "Traceback" not in err and "max concurrency" in out
+@pytest.mark.parametrize(
+    "args, text",
+    [
+        (("--pool-gib", "1e300"), "argument --pool-gib: must be <= 1048576 GiB (1 PiB), got 1e300"),
+        (("--num-layers", "10" * 20), f"argument --num-layers: must be <= 10000, got {'10' * 20}"),
+    ],
+)
+def test_huge_values_are_refused_naming_the_bound(capsys, args, text):
+    code, out, err = run(capsys, *UPSTREAM, *args)
+    assert code == 2 and out == "" and err.strip().endswith(text), err
 
 
 def test_budget_bytes_of_plan_pool_and_the_page_size_agree():
