@@ -54,6 +54,18 @@ def window_problem(
     return None
 
 
+def check_pool_geometry(tokens_per_block: int, windows, where: str = "") -> None:
+    """ValueError unless the page size and every window pass the rules above (`where` prefixes the message)."""
+    lead = f"{where}: " if where else ""
+    problem = tokens_per_block_problem(tokens_per_block)
+    if problem:
+        raise ValueError(f"{lead}tokens_per_block {problem}")
+    for i, window in enumerate(windows):
+        problem = window_problem(window, tokens_per_block)
+        if problem:
+            raise ValueError(f"{lead}layer group {i}: {problem}")
+
+
 class ParsableEnum(enum.Enum):
     """An enum that also accepts its members' values or names as strings (any case, '-' for '_')."""
 
@@ -329,6 +341,16 @@ class KVPoolConfig:
         for name in ("num_kv_heads", "head_dim", "kv_factor", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def check_geometry(self) -> "KVPoolConfig":
+        """The deployment rule (`check_pool_geometry`): a power-of-two page, every window at least one page.
+
+        Not applied on construction: the runtime itself handles any page size and window, and its property
+        tests build such pools; every entry point a user reaches (`plan`, `simulate`, scenario files,
+        `PoolReport.to_pool_config`) applies it. Returns the config; ValueError naming the numbers otherwise.
+        """
+        check_pool_geometry(self.tokens_per_block, self.windows, "KVPoolConfig")
+        return self
 
     @property
     def windows(self) -> tuple[int | None, ...]:

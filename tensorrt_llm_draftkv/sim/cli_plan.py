@@ -22,10 +22,9 @@ from ..config import (
     LayerGroupConfig,
     SpeculativeDecodingMode,
     parse_dtype,
-    tokens_per_block_problem,
     window_problem,
 )
-from .cli_simulate import UsageError, check_output_path, usage_fail
+from .cli_simulate import UsageError, check_output_path, page_size, usage_fail
 from ..manager.planner import (
     PoolGeometry,
     PoolReport,
@@ -83,15 +82,6 @@ heads = _int_in(1, MAX_HEADS)
 head_dim = _int_in(1, MAX_HEAD_DIM)
 draft_len = _int_in(0, MAX_DRAFT_LEN)
 tp_ranks = _int_in(1, MAX_TP)
-
-
-def page_size(text: str) -> int:
-    """--tokens-per-block: the package's one page-size rule (`config.tokens_per_block_problem`)."""
-    value = _int(text)
-    problem = tokens_per_block_problem(value)
-    if problem:
-        raise argparse.ArgumentTypeError(problem)
-    return value
 
 
 def _finite_float(text: str) -> float:

@@ -64,7 +64,21 @@ def _int_at_least(minimum: int):
 
 
 positive_int = _int_at_least(1)
-window_tokens = _int_at_least(0)  # 0 = full attention
+window_tokens = _int_at_least(0)  # 0 = full attention; >= one page is checked with the page size (SimSetup.check)
+
+
+def page_size(text: str) -> int:
+    """--tokens-per-block (simulate and plan): the package's one page-size rule (`config.tokens_per_block_problem`)."""
+    from ..config import tokens_per_block_problem
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    problem = tokens_per_block_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return value
 
 
 def prompt_list(text: str) -> tuple[int, ...]:
@@ -165,9 +179,11 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("geometry (default: the scenario's; a flag also wins over the runs' own values)")
     g.add_argument("--drafter", type=drafter_mode, metavar="{dflash,dspark}", help=f"drafter to model (default {d.drafter.label})")
     numbers = (  # flag, type, metavar, what, the field's default
-        ("--tokens-per-block", positive_int, "P", "page size", d.tokens_per_block),
-        ("--draft-window", window_tokens, "W", "draft attention window, 0 = full attention", d.draft_window or 0),
-        ("--target-window", window_tokens, "W", "target attention window, 0 = full attention", d.target_window or 0),
+        ("--tokens-per-block", page_size, "P", "page size, a power of two", d.tokens_per_block),
+        ("--draft-window", window_tokens, "W", "draft attention window, >= one page; 0 = full attention",
+         d.draft_window or 0),
+        ("--target-window", window_tokens, "W", "target attention window, >= one page; 0 = full attention",
+         d.target_window or 0),
         ("--chunk", positive_int, "N", "context chunk in tokens", d.chunk),
         ("--max-draft-len", positive_int, "N", "draft tokens per step", d.max_draft_len),
         ("--pool-requests", positive_int, "N", "concurrent requests both pools are sized for", d.pool_requests),
@@ -348,6 +364,8 @@ def build_scenario(args: argparse.Namespace):
         scenario.check()
     except ScenarioError as err:
         field = err.field.split(".")[-1]
+        if err.field.startswith("runs[") and args.config and not args.prompts:  # a run of the file
+            raise UsageError("--config", f"{args.config}: field {err.field}: {err.message}") from None
         if field in GEOMETRY_FLAGS:
             raise UsageError(GEOMETRY_FLAGS[field], err.message) from None
         if field == "shared_prefix" and args.prompts:
