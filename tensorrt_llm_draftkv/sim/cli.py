@@ -126,11 +126,28 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     parser = build_parser(prog)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
-        return run_bench(argparse.Namespace(rest=argv[1:], prog=prog))  # every option, --help included, is the benchmark's
+        rest = argv[1:]  # every option, --help included, is the benchmark's
+        return _quiet_on_closed_pipe(lambda: run_bench(argparse.Namespace(rest=rest, prog=prog)))
     if not argv or argv[0] not in ("simulate", "plan", "bench", "-h", "--help", "--version"):
         argv.insert(0, "simulate")  # simulate is the default command, options included
     args = parser.parse_args(argv)
-    return {"simulate": run_simulate, "plan": run_plan, "bench": run_bench}[args.command](args)
+    return _quiet_on_closed_pipe(lambda: {"simulate": run_simulate, "plan": run_plan}[args.command](args))
+
+
+def _quiet_on_closed_pipe(command) -> int:
+    """Run `command`; if the reader of stdout went away (`... | head`), stop quietly, as `cat` does.
+
+    stdout is pointed at /dev/null so the interpreter's final flush does not raise again.
+    """
+    try:
+        code = command()
+        sys.stdout.flush()  # inside the guard: the last buffered lines fail here, not at exit
+        return code
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 1
 
 
 if __name__ == "__main__":

@@ -401,9 +401,10 @@ def _notes(scenario) -> list[str]:
     notes = []
     for spec in scenario.runs:
         pool = spec.setup_for(scenario.setup).pool_requests
-        if spec.max_concurrency > pool:
+        in_flight = min(spec.max_concurrency, len(spec.prompts))  # a run never has more in flight than prompts
+        if in_flight > pool:
             notes.append(
-                f"note: run {spec.name} keeps {spec.max_concurrency} requests in flight in pools sized for {pool} "
+                f"note: run {spec.name} keeps {in_flight} requests in flight in pools sized for {pool} "
                 "(--pool-requests): expect resize failures"
             )
     return notes

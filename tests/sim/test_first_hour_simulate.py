@@ -58,3 +58,51 @@ def test_a_config_file_without_runs_gives_the_geometry_of_prompts(capsys, tmp_pa
     assert main(["--config", str(path), "--prompts", "300", "--mode", "aggregated", "--print-config"]) == 0
     config = json.loads(capsys.readouterr().out)
     assert config["chunk"] == 4096 and [r["name"] for r in config["runs"]] == ["user-agg"]
+
+
+# -- 9. small things ------------------------------------------------------------------------------------------
+def _scenario_of(*argv: str):
+    from tensorrt_llm_draftkv.sim.cli import build_parser
+    from tensorrt_llm_draftkv.sim.cli_simulate import check_inputs
+
+    return check_inputs(build_parser().parse_args(["simulate", *argv]))
+
+
+def test_one_request_is_not_warned_about_resize_failures():
+    from tensorrt_llm_draftkv.sim.cli_simulate import _notes
+
+    assert _notes(_scenario_of("--prompts", "1000", "--concurrency", "100")) == []
+    assert _notes(_scenario_of("--prompts", "1000x8", "--concurrency", "100")) == []  # 8 fit the 8-request pools
+
+
+def test_more_requests_in_flight_than_the_pools_hold_are_warned_with_the_real_number():
+    from tensorrt_llm_draftkv.sim.cli_simulate import _notes
+
+    notes = _notes(_scenario_of("--prompts", "1000x20", "--concurrency", "100", "--mode", "aggregated"))
+    assert notes == [
+        "note: run user-agg keeps 20 requests in flight in pools sized for 8 (--pool-requests): expect resize failures"
+    ]
+
+
+@pytest.mark.parametrize("argv", [("--print-config",), ("plan",)])
+def test_a_closed_pipe_ends_quietly(argv):
+    """`... | head`: the reader is gone before the command writes; no BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    read, write = os.pipe()
+    os.close(read)  # nobody will read: the first write fails with EPIPE
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tensorrt_llm_draftkv", *argv],
+            stdout=write, stderr=subprocess.PIPE, text=True, env=env, cwd=repo, timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+    assert proc.stderr == ""
