@@ -106,3 +106,10 @@ def test_a_closed_pipe_ends_quietly(argv):
         os.close(write)
     assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
     assert proc.stderr == ""
+
+
+def test_the_resize_diagnostic_says_its_windows_include_the_trail_page():
+    from tensorrt_llm_draftkv.manager.diagnostics import pool_diagnostic
+
+    text = pool_diagnostic({}, (1056,), (3,), (10,))
+    assert "include its trail page" in text.splitlines()[0] and "[1056]" in text
