@@ -88,6 +88,12 @@ class RunResult:
     handoff_bytes_sent: int = 0
     handoff_bytes_without_gen_reuse: int = 0
     handoff_bytes_saved: int = 0
+    # Against the estimate: did one request hold more draft pages than the estimator charges it, and how
+    # many requests of that peak the pool (sized for `pool_requests` charges) holds at once: a run that
+    # finishes only because its few requests had the pool to themselves shows here.
+    peak_over_estimate: bool = False
+    pool_requests: int = 0
+    requests_pool_holds_at_peak: int = 0
     draft_pool_occupancy: list[int] = field(default_factory=list, repr=False)
     # The run's own geometry (the scenario's setup with the run's overrides) and its
     # in-flight limit; when unset, `to_json(scenario)` looks the run up by name.
@@ -511,10 +517,21 @@ def _result(scenario: Scenario, spec, sizing: MirrorSizing, stats, references, b
             stats.context_worker.cached_free_pages_at_end if stats.context_worker else 0
         ),
         draft_pool_occupancy=stats.draft_pool_occupancy,
+        **against_estimate(setup, stats.peak_draft_pages_per_request),
         setup=setup,
         max_concurrency=spec.max_concurrency,
         plot_trace=PlotTrace(bar.foreign_per_step, setup.pool_requests * draft_pages_per_request(setup)),
     )
+
+
+def against_estimate(setup: SimSetup, peak: int) -> dict:
+    """`peak_over_estimate`, `pool_requests` and `requests_pool_holds_at_peak` of a run whose largest
+    request held `peak` draft pages: the pool holds `pool_requests` estimator charges."""
+    estimate = draft_pages_per_request(setup)
+    pool_pages = setup.pool_requests * estimate
+    holds = setup.pool_requests if peak <= 0 else min(setup.pool_requests, pool_pages // peak)
+    return dict(peak_over_estimate=peak > estimate, pool_requests=setup.pool_requests,
+                requests_pool_holds_at_peak=holds)
 
 
 def pair_runs(results: list[RunResult]) -> None:
@@ -652,7 +669,14 @@ def format_reuse_pairs(results: list[RunResult]) -> str:
 
 
 def _events(r: RunResult) -> str:
-    """The counters that are not zero: reseeds and seed lag (exercised), then any violation."""
+    """The counters that are not zero: reseeds and seed lag (exercised), then any violation: a request
+    above the estimate (`over_est=peak/est`) and a pool that holds fewer such requests than it was sized
+    for (`pool_holds=n/N`) come first, since the other columns can look healthy then."""
+    estimate = []
+    if r.peak_over_estimate:
+        estimate.append(f"over_est={r.peak_draft_pages_per_request}/{r.estimated_draft_pages_per_request}")
+    if r.pool_requests and r.requests_pool_holds_at_peak < r.pool_requests:
+        estimate.append(f"pool_holds={r.requests_pool_holds_at_peak}/{r.pool_requests}")
     named = (
         ("reseeds", r.slot_reseeds),
         ("reseeds_without_handoff", r.reseeds_without_handoff),
@@ -665,7 +689,7 @@ def _events(r: RunResult) -> str:
         ("refused", r.refused_requests),
         ("held_at_end", max(r.pages_held_at_end, 0)),
     )
-    return " ".join(f"{name}={value}" for name, value in named if value)
+    return " ".join([*estimate, *(f"{name}={value}" for name, value in named if value)])
 
 
 def write_json(results: list[RunResult], path: str, scenario: Scenario | None = None) -> None:

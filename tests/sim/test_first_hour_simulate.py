@@ -113,3 +113,52 @@ def test_the_resize_diagnostic_says_its_windows_include_the_trail_page():
 
     text = pool_diagnostic({}, (1056,), (3,), (10,))
     assert "include its trail page" in text.splitlines()[0] and "[1056]" in text
+
+
+# -- 2. a legacy run that only looks healthy ------------------------------------------------------------------
+def test_a_request_over_its_estimate_shows_in_the_events_and_the_json(tmp_path):
+    """A 70k prompt under legacy sizing finishes 2/2, but holds 7x its charge: a pool sized for 8 such
+    requests holds one. The table's events and the JSON say so; the history row stays clean."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    out = tmp_path / "runs.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tensorrt_llm_draftkv", "--prompts", "70001,5000", "--draft-window", "1024",
+         "--mode", "aggregated", "--max-new-tokens", "8", "--quiet", "--json", str(out)],
+        capture_output=True, text=True, env=env, cwd=repo, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    records = {r["sizing"]: r for r in json.loads(out.read_text())}
+    legacy, history = records["legacy"], records["history"]
+    assert legacy["finished"] == 2 and legacy["resize_failures"] == 0  # it looks healthy...
+    peak, est = legacy["peak_draft_pages_per_request"], legacy["estimated_draft_pages_per_request"]
+    assert peak > est and legacy["peak_over_estimate"] is True  # ...but is not
+    assert legacy["pool_requests"] == 8 and legacy["requests_pool_holds_at_peak"] == (8 * est) // peak < 8
+    row = next(line for line in proc.stdout.splitlines() if line.split()[:2] == ["user-agg", "legacy"])
+    assert f"over_est={peak}/{est}" in row and f"pool_holds={(8 * est) // peak}/8" in row
+    assert history["peak_over_estimate"] is False and history["requests_pool_holds_at_peak"] == 8
+    row = next(line for line in proc.stdout.splitlines() if line.split()[:2] == ["user-agg", "history"])
+    assert "over_est" not in row and "pool_holds" not in row
+
+
+def test_events_name_a_peak_over_the_estimate_first():
+    from tensorrt_llm_draftkv.sim.simulate import RunResult, _events
+
+    fields = dict(
+        name="r", sizing="legacy", mode="aggregated", prompt_tokens=[1], finished=1, resize_failures=0,
+        refused_requests=0, first_error="", foreign_page_accesses=0, stale_reads=0, unbacked_accesses=0,
+        accounting_errors=0, slot_reseeds=0, max_seed_lag_tokens=5, peak_draft_pages_per_request=4376,
+        estimated_draft_pages_per_request=578, acceptance_length=1.0, output_matches_target=True,
+        skipped_warmups=0, tokens_per_s=1.0, wall_s=1.0,
+    )
+    r = RunResult(**fields, peak_over_estimate=True, pool_requests=8, requests_pool_holds_at_peak=1)
+    assert _events(r) == "over_est=4376/578 pool_holds=1/8 lag=5"
+    within = RunResult(**{**fields, "peak_draft_pages_per_request": 578}, pool_requests=8,
+                       requests_pool_holds_at_peak=8)
+    assert _events(within) == "lag=5"
