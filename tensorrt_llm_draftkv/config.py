@@ -248,6 +248,10 @@ class SpeculativeDecodingMode(enum.IntEnum):
         raise ValueError(f"unknown speculative decoding mode {text!r}; known: {known}")
 
 
+#: The drafter the command line assumes unless told (`plan --drafter`, `simulate --drafter`, SimSetup).
+DEFAULT_DRAFTER = SpeculativeDecodingMode.DFLASH
+
+
 @dataclass(frozen=True)
 class LayerGroupConfig:
     """Layers that share one life cycle, and therefore one page pool.

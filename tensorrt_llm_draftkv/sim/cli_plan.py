@@ -17,6 +17,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from ..config import (
+    DEFAULT_DRAFTER,
     MAX_POOL_PAGES,
     MAX_TOKENS,
     LayerGroupConfig,
@@ -170,7 +171,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     )
     p.set_defaults(_plan_parser=p)
     p.add_argument(
-        "--drafter", default="dspark", type=_mode, help="speculative mode (dflash, dspark, pard, mtp, ...)"
+        "--drafter", default=DEFAULT_DRAFTER.label, type=_mode, help="speculative mode (dflash, dspark, pard, mtp, ...)"
     )
     p.add_argument("--num-layers", type=layers, default=5, help="windowed draft layers")
     p.add_argument("--num-full-layers", type=layers, default=0, help="full-attention draft layers")

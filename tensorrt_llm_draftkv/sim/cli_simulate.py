@@ -229,6 +229,12 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         f"drafter K/V (joint); history sizing only (default {d.block_reuse})",
     )
     o = p.add_argument_group("output")
+    o.add_argument(
+        "--wide",
+        action="store_true",
+        help="every column (tok/s, warmup too) and the events on each row's line (default: a table that fits "
+        "120 columns, events below their row)",
+    )
     o.add_argument("--json", metavar="FILE", help="write one record per row (its folder must exist)")
     o.add_argument("--plot", metavar="FILE.png", help="draw draft-pool occupancy over steps (needs matplotlib)")
     o.add_argument("--progress", action="store_true", help="show a progress bar on long runs (default: on a terminal)")
@@ -448,14 +454,14 @@ def run_simulate(args: argparse.Namespace) -> int:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
     from ..manager.rules import MirrorSizing
-    from .simulate import format_pairs, format_table, simulate, write_json, write_plot
+    from .simulate import fit_lines, format_pairs, format_table, simulate, write_json, write_plot
 
     sizings = [MirrorSizing.HISTORY, MirrorSizing.LEGACY] if args.sizing == "both" else [MirrorSizing(args.sizing)]
     results = simulate(scenario, sizings, progress=(args.progress or sys.stderr.isatty()) and not args.quiet)
-    print(format_table(results))
+    print(format_table(results, wide=args.wide))
     pairs = format_pairs(results)
     if pairs:
-        print(f"\n{pairs}")
+        print(f"\n{pairs if args.wide else fit_lines(pairs)}")
     try:
         if args.json:
             write_json(results, args.json, scenario)

@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..config import ParsableEnum, SpeculativeDecodingMode, tokens_per_block_problem, window_problem
+from ..config import DEFAULT_DRAFTER, ParsableEnum, SpeculativeDecodingMode, tokens_per_block_problem, window_problem
 from ..speculative.handoff import DrafterHandoff, HandoffForm
 
 MODES = ("aggregated", "disaggregated")
@@ -145,7 +145,7 @@ class SimSetup:
     sizing only.
     """
 
-    drafter: SpeculativeDecodingMode = SpeculativeDecodingMode.DFLASH
+    drafter: SpeculativeDecodingMode = DEFAULT_DRAFTER
     tokens_per_block: int = 32
     target_window: int | None = 4096
     draft_window: int | None = 4096

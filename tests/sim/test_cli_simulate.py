@@ -352,7 +352,7 @@ def test_own_prompts_in_both_modes_finish_clean_under_history(tmp_path):
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(
         [sys.executable, "-m", "tensorrt_llm_draftkv", "--prompts", "1023,2049", "--mode", "both", *SMALL,
-         "--sizing", "history", "--json", str(js)],
+         "--sizing", "history", "--wide", "--json", str(js)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr

@@ -140,11 +140,14 @@ def test_a_request_over_its_estimate_shows_in_the_events_and_the_json(tmp_path):
     peak, est = legacy["peak_draft_pages_per_request"], legacy["estimated_draft_pages_per_request"]
     assert peak > est and legacy["peak_over_estimate"] is True  # ...but is not
     assert legacy["pool_requests"] == 8 and legacy["requests_pool_holds_at_peak"] == (8 * est) // peak < 8
-    row = next(line for line in proc.stdout.splitlines() if line.split()[:2] == ["user-agg", "legacy"])
-    assert f"over_est={peak}/{est}" in row and f"pool_holds={(8 * est) // peak}/8" in row
+    lines = proc.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.split()[:2] == ["user-agg", "legacy"])
+    events = lines[at + 1]  # the compact table puts a row's events on the line below it
+    assert events.startswith("    events: ") and f"over_est={peak}/{est}" in events
+    assert f"pool_holds={(8 * est) // peak}/8" in events
     assert history["peak_over_estimate"] is False and history["requests_pool_holds_at_peak"] == 8
-    row = next(line for line in proc.stdout.splitlines() if line.split()[:2] == ["user-agg", "history"])
-    assert "over_est" not in row and "pool_holds" not in row
+    at = next(i for i, line in enumerate(lines) if line.split()[:2] == ["user-agg", "history"])
+    assert "events:" not in lines[at + 1]
 
 
 def test_events_name_a_peak_over_the_estimate_first():
