@@ -115,6 +115,49 @@ def step_bytes(step: Step) -> int:
     return reads + writes
 
 
+# --------------------------------------------------------------------------- progress
+
+
+class RowStream:
+    """Each measured row as it comes, on stderr, without repeating the final table on the same terminal.
+
+    With stdout and stderr on one terminal the final table (stdout) would show every row a second
+    time, so there a row is a transient status line, rewritten in place and erased at the end;
+    anywhere else (stdout redirected, a log) the rows go to stderr as they are, one a line.
+    """
+
+    def __init__(self, out=None, err=None) -> None:
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        self.transient = _is_terminal(self.out) and _is_terminal(self.err)
+        self._shown = False
+
+    def __call__(self, text: str) -> None:
+        if not self.transient:
+            print(text, file=self.err, flush=True)
+            return
+        import shutil
+
+        width = max(shutil.get_terminal_size().columns - 1, 20)
+        status = " ".join(text.split())  # a table row or a sweep line, squeezed onto one line
+        self.err.write("\r\033[K" + "measuring " + status[: width - 10])
+        self.err.flush()
+        self._shown = True
+
+    def close(self) -> None:
+        if self._shown:
+            self.err.write("\r\033[K")
+            self.err.flush()
+            self._shown = False
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 # --------------------------------------------------------------------------- the paths timed
 
 
@@ -233,9 +276,10 @@ def count_launches(fn: Callable[[], Any]) -> tuple[int, int]:
 # --------------------------------------------------------------------------- CUDA run
 
 
-def bench_cuda(batches, max_blocks, sweep_configs, with_launches: bool = True) -> dict:
+def bench_cuda(batches, max_blocks, sweep_configs, with_launches: bool = True, show=None) -> dict:
     import triton.testing as tt
 
+    show = show or RowStream()
     dev = torch.device("cuda")
     bench = lambda fn: tt.do_bench(fn, return_mode="median") * 1e3  # noqa: E731  µs
     rows, sweep = [], []
@@ -279,18 +323,18 @@ def bench_cuda(batches, max_blocks, sweep_configs, with_launches: bool = True) -
             r["host_copy_us"] = host_us(copy)
             r["host_graph_replay_us"] = host_us(g_one.replay)
             rows.append(r)
-            print(fmt_row(r), file=sys.stderr, flush=True)
+            show(fmt_row(r))
             if with_launches and (launches is None or (B, M) == (256, 2048)):
                 launches = dict(B=B, M=M)
                 for name, fn in (("one_pass", paths.one_pass), ("two_step", paths.two_step), ("eager", paths.eager)):
                     launches[name], launches[name + "_copies"] = count_launches(fn)
             if (B, M) in SWEEP_SIZES:
-                sweep.extend(sweep_cuda(paths, nbytes, r["copy_graph_us"], sweep_configs, bench))
+                sweep.extend(sweep_cuda(paths, nbytes, r["copy_graph_us"], sweep_configs, bench, show))
             del g_one, g_two, g_copy, g_rows, g_src, src, dst
     return dict(prepare=rows, sweep=sweep, launches=launches)
 
 
-def sweep_cuda(paths: Paths, nbytes: int, copy_graph_us: float, configs, bench) -> list[dict]:
+def sweep_cuda(paths: Paths, nbytes: int, copy_graph_us: float, configs, bench, show=None) -> list[dict]:
     """One-pass kernel under graph replay for each (BLOCK, num_warps) in ``configs`` (None: default)."""
     B, M = paths.vectors[0].shape[0], paths.off.shape[3]
     out = []
@@ -304,15 +348,23 @@ def sweep_cuda(paths: Paths, nbytes: int, copy_graph_us: float, configs, bench) 
         us = bench(capture(fn).replay)
         out.append(dict(B=B, M=M, block=blk or "default", num_warps=warps or "default", graph_us=us,
                         vs_copy=us / copy_graph_us, gbs=nbytes / (us * 1e-6) / 1e9))
-        print(f"  sweep B={B} M={M} BLOCK={blk} warps={warps}: {us:.1f} µs", file=sys.stderr, flush=True)
+        (show or RowStream())(f"  sweep B={B} M={M} BLOCK={blk} warps={warps}: {us:.1f} µs")
     return out
 
 
 # --------------------------------------------------------------------------- CPU run
 
 
-def bench_cpu(batches, max_blocks, reps: int) -> dict:
-    impl = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "reference"
+def cpu_impl() -> str:
+    """What a CPU run times as the one-pass and two-step forms: Triton's interpreter or the torch reference."""
+    return "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "reference"
+
+
+def bench_cpu(batches, max_blocks, reps: int, show=None) -> dict:
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    show = show or RowStream()
+    impl = cpu_impl()
     rows = []
     for M in max_blocks:
         for B in batches:
@@ -331,7 +383,7 @@ def bench_cpu(batches, max_blocks, reps: int) -> dict:
             r["direct_vs_copy"] = r["one_pass_us"] / r["copy_us"]
             r["graph_vs_copy"] = r["two_step_graph_vs_copy"] = r["eager_vs_one_pass_graph"] = nan
             rows.append(r)
-            print(fmt_row(r), file=sys.stderr, flush=True)
+            show(fmt_row(r))
     return dict(prepare=rows, sweep=[], launches=None, cpu_impl=impl)
 
 
@@ -396,16 +448,60 @@ def print_report(result: dict) -> None:
               f"two-step {la['two_step']} + {la['two_step_copies']}; eager {la['eager']} + {la['eager_copies']}")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer sizes and sweep configs (CPU: tiny sizes)")
-    ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    ap.add_argument("--reps", type=int, default=None, help="CPU repetitions per timing")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for a CPU run (default 1)")
-    args = ap.parse_args(argv)
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+
+def parse_args(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> argparse.Namespace:
+    """The options, every one checked before anything is timed: a bad one is one line on stderr, exit 2."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+
+    def fail(message: str):
+        sys.stderr.write(f"{ap.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+    ap.error = fail  # type: ignore[method-assign]
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and sweep configs (CPU: tiny sizes)")
+    ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                    help="what to time on (auto: cuda when available, else cpu)")
+    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON (its folder must exist)")
+    ap.add_argument("--reps", type=_positive_int, default=None, metavar="N",
+                    help="CPU repetitions per timing (default 7, 3 with --quick)")
+    ap.add_argument("--threads", type=_positive_int, default=1, metavar="N",
+                    help="torch CPU threads for a CPU run (default 1)")
+    args = ap.parse_args(argv)
+    args.prog = ap.prog
+    from tensorrt_llm_draftkv.sim.cli_simulate import UsageError, check_device, check_output_path
+
+    try:
+        if args.device == "cuda":
+            check_device("cuda", "--device")
+        if args.json is not None:
+            check_output_path("--json", args.json)  # before the run, not after it
+    except UsageError as err:
+        fail(str(err))
+    args.device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    return args
+
+
+def main(
+    argv: Optional[list[str]] = None,
+    *,
+    prog: Optional[str] = None,
+    on_start: Optional[Callable[[str], None]] = None,
+) -> int:
+    """Parse and check the options, call ``on_start(device)`` (``cuda`` or ``cpu``), run, print the report."""
+    args = parse_args(argv, prog)
+    use_cuda = args.device == "cuda"
+    if on_start is not None:
+        on_start(args.device)
+    show = RowStream()
     result: dict[str, Any] = dict(date=datetime.date.today().isoformat(), torch=torch.__version__,
                                   P=P, block_size=BLOCK_SIZE, max_new=MAX_NEW, backend=BACKEND)
     if use_cuda:
@@ -415,7 +511,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         max_blocks = QUICK_MAX_BLOCKS if args.quick else MAX_BLOCKS
         result.update(device=torch.cuda.get_device_name(), triton=triton.__version__,
                       timer="triton.testing.do_bench (median, L2 flushed), µs")
-        result.update(bench_cuda(batches, max_blocks, SWEEP_CONFIGS_QUICK if args.quick else SWEEP_CONFIGS))
+        try:
+            result.update(bench_cuda(batches, max_blocks, SWEEP_CONFIGS_QUICK if args.quick else SWEEP_CONFIGS,
+                                     show=show))
+        finally:
+            show.close()
         print(f"\nDFlash step preparation on {result['device']} (torch {torch.__version__}, triton "
               f"{triton.__version__}); do_bench medians, L2 flushed; eager is not capturable (host sync)")
     else:
@@ -424,7 +524,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         batches = CPU_BATCHES if args.quick else QUICK_BATCHES
         max_blocks = CPU_MAX_BLOCKS if args.quick else QUICK_MAX_BLOCKS
         result.update(device="cpu", timer=f"time.perf_counter median of {reps}, µs")
-        result.update(bench_cpu(batches, max_blocks, reps))
+        try:
+            result.update(bench_cpu(batches, max_blocks, reps, show=show))
+        finally:
+            show.close()
         print(f"\nCPU smoke run (torch {torch.__version__}): one-pass and two-step run as "
               f"{'the Triton interpreter' if result['cpu_impl'] == 'triton' else 'the torch reference'}; "
               "no GPU timing")
@@ -433,8 +536,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         clean = lambda v: None if isinstance(v, float) and v != v else v  # noqa: E731  NaN -> null
         for key in ("prepare", "sweep"):
             result[key] = [{k: clean(v) for k, v in r.items()} for r in result.get(key) or []]
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        except OSError as err:  # checked before the run; the folder went away during it
+            print(f"{args.prog}: error: argument --json: cannot write {args.json}: {err.strerror or err}",
+                  file=sys.stderr)
+            return 1
     return 0
 
 

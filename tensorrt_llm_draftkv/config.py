@@ -7,6 +7,65 @@ from dataclasses import dataclass, field
 import torch
 
 
+# -- limits: the one rule every entry point applies (KVPoolConfig, `plan`, `simulate`, scenario files) ----------
+#: TensorRT-LLM's page size is a power of two; larger than this is a typo, not a deployment.
+MAX_TOKENS_PER_BLOCK = 1 << 12
+#: Token counts (sequence lengths, windows, chunks) are 32-bit in TensorRT-LLM (SizeType32).
+MAX_TOKENS = (1 << 31) - 1
+#: Page indices in block tables are 32-bit: a pool of more pages cannot be addressed.
+MAX_POOL_PAGES = (1 << 31) - 1
+
+
+def tokens_per_block_problem(tokens_per_block) -> str | None:
+    """Why `tokens_per_block` is not a page size (a power of two in [1, MAX_TOKENS_PER_BLOCK]), or None.
+
+    The text is a phrase for after "<name>: ", e.g. "must be a power of two (1, 2, 4, ..., 4096), got 33".
+    """
+    if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int):
+        return f"must be an integer, got {tokens_per_block!r}"
+    if tokens_per_block < 1:
+        return f"must be >= 1, got {tokens_per_block}"
+    if tokens_per_block > MAX_TOKENS_PER_BLOCK or tokens_per_block & (tokens_per_block - 1):
+        return f"must be a power of two (1, 2, 4, ..., {MAX_TOKENS_PER_BLOCK}), got {tokens_per_block}"
+    return None
+
+
+def window_problem(
+    window, tokens_per_block: int, page_name: str = "tokens_per_block", full: str = "None for full attention"
+) -> str | None:
+    """Why `window` is not an attention window over pages of `tokens_per_block` tokens, or None.
+
+    `None` (full attention) is always fine; a window is at least one page (a shorter one would release
+    the page it is reading) and at most MAX_TOKENS. `page_name` names the page size and `full` says how
+    to ask for full attention, as the caller's user spells them (`--tokens-per-block`, `0 for full
+    attention` on a command line). The text is a phrase for after "<name>: ".
+    """
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int):
+        return f"must be an integer number of tokens, got {window!r}"
+    if window > MAX_TOKENS:
+        return f"must be <= {MAX_TOKENS} tokens, got {window}"
+    if window < tokens_per_block:
+        return (
+            f"a window of {window} tokens is shorter than one page ({page_name} {tokens_per_block}); give a "
+            f"window of at least {tokens_per_block} tokens or {full}"
+        )
+    return None
+
+
+def check_pool_geometry(tokens_per_block: int, windows, where: str = "") -> None:
+    """ValueError unless the page size and every window pass the rules above (`where` prefixes the message)."""
+    lead = f"{where}: " if where else ""
+    problem = tokens_per_block_problem(tokens_per_block)
+    if problem:
+        raise ValueError(f"{lead}tokens_per_block {problem}")
+    for i, window in enumerate(windows):
+        problem = window_problem(window, tokens_per_block)
+        if problem:
+            raise ValueError(f"{lead}layer group {i}: {problem}")
+
+
 class ParsableEnum(enum.Enum):
     """An enum that also accepts its members' values or names as strings (any case, '-' for '_')."""
 
@@ -189,6 +248,10 @@ class SpeculativeDecodingMode(enum.IntEnum):
         raise ValueError(f"unknown speculative decoding mode {text!r}; known: {known}")
 
 
+#: The drafter the command line assumes unless told (`plan --drafter`, `simulate --drafter`, SimSetup).
+DEFAULT_DRAFTER = SpeculativeDecodingMode.DFLASH
+
+
 @dataclass(frozen=True)
 class LayerGroupConfig:
     """Layers that share one life cycle, and therefore one page pool.
@@ -282,6 +345,16 @@ class KVPoolConfig:
         for name in ("num_kv_heads", "head_dim", "kv_factor", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def check_geometry(self) -> "KVPoolConfig":
+        """The deployment rule (`check_pool_geometry`): a power-of-two page, every window at least one page.
+
+        Not applied on construction: the runtime itself handles any page size and window, and its property
+        tests build such pools; every entry point a user reaches (`plan`, `simulate`, scenario files,
+        `PoolReport.to_pool_config`) applies it. Returns the config; ValueError naming the numbers otherwise.
+        """
+        check_pool_geometry(self.tokens_per_block, self.windows, "KVPoolConfig")
+        return self
 
     @property
     def windows(self) -> tuple[int | None, ...]:

@@ -336,12 +336,16 @@ def check_request(
     disagg_generation_init: bool = False,
     max_new_tokens: int | None = None,
     label: str = "Draft KV cache",
+    pool_pages: Sequence[int] | None = None,
 ) -> None:
-    """Raise `AdmissionRefused` if `mirror_peak_pages` exceeds `charged` (pages per group) anywhere.
+    """Raise `AdmissionRefused` if `mirror_peak_pages` exceeds `charged` (pages per group) anywhere, or
+    the pool itself (`pool_pages`, its pages per group, when given) anywhere.
 
     Arguments as for `mirror_peak_pages`. The message names the request, where its
     chunks start and their size (or that it is a generation-init request), both
-    page counts of the first group over its charge, and why. Changes nothing.
+    page counts of the first group over its charge (or over its pool), and why.
+    A charge is a geometry's figure; `pool_pages` is what this pool has: a request
+    within the charge is still refused by a pool smaller than its peak. Changes nothing.
     """
     kwargs = dict(
         prompt_len=prompt_len,
@@ -354,6 +358,26 @@ def check_request(
     needed = mirror_peak_pages(policy, life_cycles, tokens_per_block, max_new_tokens=max_new_tokens, **kwargs)
     if len(needed) != len(charged):
         raise ValueError(f"a charge of {len(charged)} page counts for {len(needed)} layer groups")
+    what = (
+        f"a disaggregated generation-init request of {prompt_len} prompt tokens"
+        if disagg_generation_init
+        else f"a context request of {prompt_len} tokens starting at position {start} in chunks of {chunk}"
+    )
+    if pool_pages is not None:
+        if len(pool_pages) != len(needed):
+            raise ValueError(f"pool sizes for {len(pool_pages)} layer groups, the request has {len(needed)}")
+        small = [g for g, (n, total) in enumerate(zip(needed, pool_pages)) if n > total]
+        if small:
+            g = small[0]
+            message = (
+                f"{label}: request {request_id} refused at admission: {what} needs {needed[g]} pages in layer "
+                f"group {g} (window {life_cycles[g].window} tokens, P {tokens_per_block}) but the pool has only "
+                f"{pool_pages[g]} pages (the charge, {charged[g]} pages per request, is the geometry's figure, "
+                f"not this pool's). Per group: needs {list(needed)}, pool {list(pool_pages)}."
+            )
+            raise AdmissionRefused(
+                message, request_id=request_id, group=g, needed_pages=needed[g], charged_pages=charged[g]
+            )
     over = [g for g, (n, c) in enumerate(zip(needed, charged)) if n > c]
     if not over:
         return
@@ -365,11 +389,6 @@ def check_request(
         prompt_phase_over=prompt_phase[g] > charged[g],
         max_new_tokens=max_new_tokens,
         **kwargs,
-    )
-    what = (
-        f"a disaggregated generation-init request of {prompt_len} prompt tokens"
-        if disagg_generation_init
-        else f"a context request of {prompt_len} tokens starting at position {start} in chunks of {chunk}"
     )
     window = life_cycles[g].window
     message = (

@@ -35,8 +35,15 @@ class MissingKVCacheError(KeyError):
 def pool_diagnostic(
     caches: Mapping[int, KVCache], windows: tuple[int | None, ...], free_pages: tuple[int, ...], total_pages: tuple[int, ...]
 ) -> str:
-    """One line per live cache (capacity, history, logical blocks, pages held), then the pools."""
-    lines = [f"  attention windows (tokens, None = full): {list(windows)}"]
+    """One line per live cache (capacity, history, logical blocks, pages held), then the pools.
+
+    `windows` are the windows the pool releases pages by: on a DFlash/DSpark draft pool each is the
+    drafter's window widened by the trail page (a 1024-token window over 32-token pages shows 1056).
+    """
+    lines = [
+        f"  attention windows as the pool keeps them (tokens; a draft pool's include its trail page; "
+        f"None = full attention): {list(windows)}"
+    ]
     lines.append(
         "  pages free per layer group: "
         + ", ".join(f"group {g}: {free}/{total}" for g, (free, total) in enumerate(zip(free_pages, total_pages)))

@@ -150,14 +150,15 @@ class PoolReport:
         self, geometry: PoolGeometry, *, max_seq_len: int, device: str = "cpu", enable_block_reuse: bool = False
     ) -> KVPoolConfig:
         """The pool geometry this plan buys, for `KVCacheManagerV2.from_pool_config` (one rank: the KV
-        heads it holds, every group's planned pages). ValueError if the plan gives a group no page."""
+        heads it holds, every group's planned pages). ValueError if the plan gives a group no page, or the
+        geometry breaks the page/window rule (`config.check_pool_geometry`)."""
         if len(geometry.layer_groups) != len(self.groups):
             raise ValueError(f"{self.name}: the plan has {len(self.groups)} layer groups, the geometry "
                              f"{len(geometry.layer_groups)}")
         empty = [g for g, report in enumerate(self.groups) if report.pool_pages < 1]
         if empty:
             raise ValueError(f"{self.name}: the plan buys no page for layer groups {empty}; raise the budget")
-        return KVPoolConfig(
+        config = KVPoolConfig(
             layer_groups=geometry.layer_groups,
             pages_per_group=tuple(report.pool_pages for report in self.groups),
             tokens_per_block=geometry.tokens_per_block,
@@ -169,6 +170,7 @@ class PoolReport:
             max_seq_len=max_seq_len,
             enable_block_reuse=enable_block_reuse,
         )
+        return config.check_geometry()  # the package's one page/window rule
 
     @property
     def bytes_per_request(self) -> int:

@@ -16,13 +16,23 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
-from ..config import LayerGroupConfig, SpeculativeDecodingMode, parse_dtype
+from ..config import (
+    DEFAULT_DRAFTER,
+    MAX_POOL_PAGES,
+    MAX_TOKENS,
+    LayerGroupConfig,
+    SpeculativeDecodingMode,
+    parse_dtype,
+    window_problem,
+)
+from .cli_simulate import UsageError, check_output_path, page_size, usage_fail
 from ..manager.planner import (
     PoolGeometry,
     PoolReport,
     format_bytes,
     format_report,
     format_savings,
+    GIB,
     gib_to_bytes,
     plan_pool,
     prefix_reuse_savings,
@@ -30,6 +40,15 @@ from ..manager.planner import (
 )
 
 PROG = "python -m tensorrt_llm_draftkv plan"
+
+
+#: Bounds of what a deployment can mean (past them a value is a typo, and the tables lose their columns).
+MAX_LAYERS = 10_000
+MAX_HEADS = 1 << 16
+MAX_HEAD_DIM = 1 << 16
+MAX_DRAFT_LEN = 1 << 10
+MAX_TP = 1 << 16
+MAX_GIB = 1 << 20  # 1 PiB per rank
 
 
 # -- argparse types: each returns the value or raises ArgumentTypeError("must be ..., got ...") --------------
@@ -40,19 +59,30 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
 
 
-def _int_at_least(low: int):
+def _int_in(low: int, high: int):
     def check(text: str) -> int:
         value = _int(text)
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high}, got {value}")
         return value
 
-    check.__name__ = f"int >= {low}"
+    check.__name__ = f"int in [{low}, {high}]"
     return check
+
+
+def _int_at_least(low: int):
+    return _int_in(low, MAX_TOKENS)
 
 
 positive_int = _int_at_least(1)
 non_negative_int = _int_at_least(0)
+layers = _int_in(0, MAX_LAYERS)
+heads = _int_in(1, MAX_HEADS)
+head_dim = _int_in(1, MAX_HEAD_DIM)
+draft_len = _int_in(0, MAX_DRAFT_LEN)
+tp_ranks = _int_in(1, MAX_TP)
 
 
 def _finite_float(text: str) -> float:
@@ -69,6 +99,14 @@ def positive_float(text: str) -> float:
     value = _finite_float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def gib(text: str) -> float:
+    """A budget in GiB: > 0 and at most MAX_GIB (1 PiB)."""
+    value = positive_float(text)
+    if value > MAX_GIB:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_GIB} GiB (1 PiB), got {text}")
     return value
 
 
@@ -94,6 +132,25 @@ def _mode(text: str) -> SpeculativeDecodingMode:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+class _Given(argparse._StoreAction):
+    """`store`, also noting the option as given (`args._given`): a default and the same value typed differ."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        namespace._given = set(getattr(namespace, "_given", ())) | {self.dest}
+
+
+#: Options of the target pool: each needs target layers.
+TARGET_OPTIONS = {
+    "target_window": "--target-window",
+    "target_num_kv_heads": "--target-num-kv-heads",
+    "target_head_dim": "--target-head-dim",
+    "target_num_extra_kv_tokens": "--target-num-extra-kv-tokens",
+    "target_pool_gib": "--target-pool-gib",
+    "target_max_tokens": "--target-max-tokens",
+}
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Defaults in --help, except where there is none (an option that is off unless given)."""
 
@@ -106,20 +163,22 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # -- options -----------------------------------------------------------------------------------------------
 def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.formatter_class = _HelpFormatter
+    p.register("action", None, _Given)  # every plain option notes that it was given
+    p.error = lambda message: usage_fail(p.prog, message)  # type: ignore[method-assign]  one line, no usage
     p.description = (
         "Pages, bytes and concurrency of a draft KV pool (and of a target pool when target layers are given) "
         "for a geometry and a budget. Byte budgets are per rank (one GPU)."
     )
     p.set_defaults(_plan_parser=p)
     p.add_argument(
-        "--drafter", default="dspark", type=_mode, help="speculative mode (dflash, dspark, pard, mtp, ...)"
+        "--drafter", default=DEFAULT_DRAFTER.label, type=_mode, help="speculative mode (dflash, dspark, pard, mtp, ...)"
     )
-    p.add_argument("--num-layers", type=non_negative_int, default=5, help="windowed draft layers")
-    p.add_argument("--num-full-layers", type=non_negative_int, default=0, help="full-attention draft layers")
-    p.add_argument("--num-kv-heads", type=positive_int, default=4, help="draft KV heads (all ranks)")
-    p.add_argument("--head-dim", type=positive_int, default=128, help="draft head size")
+    p.add_argument("--num-layers", type=layers, default=5, help="windowed draft layers")
+    p.add_argument("--num-full-layers", type=layers, default=0, help="full-attention draft layers")
+    p.add_argument("--num-kv-heads", type=heads, default=4, help="draft KV heads (all ranks)")
+    p.add_argument("--head-dim", type=head_dim, default=128, help="draft head size")
     p.add_argument("--dtype", type=dtype_name, default="bfloat16", help="KV dtype (bf16, fp16, fp32, fp8, ...)")
-    p.add_argument("--tokens-per-block", type=positive_int, default=32, help="page size P in tokens")
+    p.add_argument("--tokens-per-block", type=page_size, default=32, help="page size P in tokens (a power of two)")
     p.add_argument(
         "--window", type=non_negative_int, default=4096,
         help="attention window of the windowed draft layers in tokens (0 = full attention; else >= one page)",
@@ -129,13 +188,13 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         help="longest request in tokens (what a full-attention group is charged)",
     )
     p.add_argument("--chunk", type=positive_int, default=8192, help="context chunk size in tokens")
-    p.add_argument("--max-draft-len", type=non_negative_int, default=7, help="draft tokens per step")
+    p.add_argument("--max-draft-len", type=draft_len, default=7, help="draft tokens per step")
     p.add_argument(
         "--num-extra-kv-tokens", type=non_negative_int, default=0,
         help="extra KV tokens every step puts above history in the draft pool",
     )
     p.add_argument(
-        "--tp", type=positive_int, default=1,
+        "--tp", type=tp_ranks, default=1,
         help="tensor-parallel ranks: KV heads are sharded over them (ceil(heads / tp) per rank)",
     )
     p.add_argument("--json", metavar="FILE", default=None, help="also write the whole report as JSON to FILE")
@@ -147,7 +206,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     b = p.add_argument_group("draft pool budget (one of --pool-gib, --max-tokens, --memory-fraction)")
     forms = b.add_mutually_exclusive_group()
     forms.add_argument(
-        "--pool-gib", type=positive_float, default=1.0,
+        "--pool-gib", type=gib, default=1.0,
         help="bytes one rank gives the draft pool, in GiB (used unless another form is given)",
     )
     forms.add_argument(
@@ -160,15 +219,15 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         "gpu_memory_utilization)",
     )
     b.add_argument(
-        "--device-memory-gib", type=positive_float, default=None,
+        "--device-memory-gib", type=gib, default=None,
         help="memory of one device in GiB (with --memory-fraction only)",
     )
 
     t = p.add_argument_group("target pool (planned only when target layers are given)")
-    t.add_argument("--target-num-layers", type=non_negative_int, default=0, help="windowed target layers")
-    t.add_argument("--target-num-full-layers", type=non_negative_int, default=0, help="full-attention target layers")
-    t.add_argument("--target-num-kv-heads", type=positive_int, default=8, help="target KV heads (all ranks)")
-    t.add_argument("--target-head-dim", type=positive_int, default=128, help="target head size")
+    t.add_argument("--target-num-layers", type=layers, default=0, help="windowed target layers")
+    t.add_argument("--target-num-full-layers", type=layers, default=0, help="full-attention target layers")
+    t.add_argument("--target-num-kv-heads", type=heads, default=8, help="target KV heads (all ranks)")
+    t.add_argument("--target-head-dim", type=head_dim, default=128, help="target head size")
     t.add_argument(
         "--target-window", type=non_negative_int, default=4096,
         help="target attention window (0 = full; else >= one page)",
@@ -179,7 +238,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     )
     tb = t.add_mutually_exclusive_group()
     tb.add_argument(
-        "--target-pool-gib", type=positive_float, default=64.0,
+        "--target-pool-gib", type=gib, default=64.0,
         help="bytes one rank gives the target pool, in GiB (used unless --target-max-tokens is given)",
     )
     tb.add_argument(
@@ -198,34 +257,44 @@ def _parser(args: argparse.Namespace) -> argparse.ArgumentParser:
 
 
 def _check_window(parser: argparse.ArgumentParser, option: str, window: int, tokens_per_block: int) -> None:
-    if 0 < window < tokens_per_block:
-        parser.error(
-            f"argument {option}: a window of {window} tokens is shorter than one page "
-            f"(--tokens-per-block {tokens_per_block}); give a window of at least {tokens_per_block} tokens "
-            "or 0 for full attention"
-        )
+    problem = window_problem(window or None, tokens_per_block, "--tokens-per-block", "0 for full attention")
+    if problem:
+        parser.error(f"argument {option}: {problem}")
 
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    given = getattr(args, "_given", set())
     if args.num_layers == 0 and args.num_full_layers == 0:
         parser.error("argument --num-layers: --num-layers and --num-full-layers are both 0: the draft pool has no layers")
     if args.num_layers:
         _check_window(parser, "--window", args.window, args.tokens_per_block)
+    elif "window" in given:
+        parser.error(
+            f"argument --window: --window {args.window} applies to windowed draft layers, and --num-layers is 0"
+        )
+    if not args.target_num_layers and not args.target_num_full_layers:
+        for dest, option in TARGET_OPTIONS.items():
+            if dest in given:
+                parser.error(
+                    f"argument {option}: the target pool is planned only with target layers; give "
+                    "--target-num-layers or --target-num-full-layers, or drop " + option
+                )
     if args.target_num_layers:
         _check_window(parser, "--target-window", args.target_window, args.tokens_per_block)
+    elif "target_window" in given:
+        parser.error(
+            f"argument --target-window: --target-window {args.target_window} applies to windowed target layers, "
+            "and --target-num-layers is 0"
+        )
     if args.memory_fraction is not None and args.device_memory_gib is None:
         parser.error("argument --memory-fraction: needs --device-memory-gib (the memory of one device)")
     if args.device_memory_gib is not None and args.memory_fraction is None:
         parser.error("argument --device-memory-gib: only with --memory-fraction")
     if args.json is not None:
-        path = Path(args.json)
-        folder = path.parent
-        if not folder.is_dir():
-            parser.error(f"argument --json: folder {str(folder)!r} does not exist (for {str(path)!r})")
-        if path.is_dir():
-            parser.error(f"argument --json: {str(path)!r} is a folder, not a file")
-        if not os.access(folder, os.W_OK):
-            parser.error(f"argument --json: folder {str(folder)!r} is not writable")
+        try:
+            check_output_path("--json", args.json)  # simulate's and bench's rule: writable before anything runs
+        except UsageError as err:
+            parser.error(str(err))
 
 
 # -- the plan ------------------------------------------------------------------------------------------------
@@ -276,10 +345,43 @@ def _budget_line(budget: dict, report: PoolReport) -> str:
     return f"  budget: {what}: {pages_text}, {format_bytes(report.pool_bytes_per_rank)} per rank used"
 
 
-def _shortfall_message(report: PoolReport, tokens_per_block: int) -> str | None:
+def _budget_option(budget: dict, target: bool) -> str:
+    """The option that set this budget (what a user changes when it buys too few or too many pages)."""
+    option = {"pool_gib": "--pool-gib", "max_tokens": "--max-tokens", "memory_fraction": "--memory-fraction"}
+    return ("--target-" + option[budget["form"]][2:]) if target else option[budget["form"]]
+
+
+def _ceil_to(value: float, digits: int = 4) -> str:
+    """`value` rounded up to `digits` significant digits, as text (a budget that surely suffices)."""
+    if value <= 0:
+        return "0"
+    scale = 10 ** (digits - 1 - math.floor(math.log10(value)))
+    return f"{math.ceil(value * scale) / scale:.{digits}g}"
+
+
+def _least_budget(report: PoolReport, budget: dict, option: str) -> str:
+    """`give at least OPTION X`: the smallest budget of this form that holds one request."""
+    need_bytes = report.bytes_per_request_per_rank  # a byte budget is split in proportion to the charge
+    if budget["form"] == "max_tokens":
+        need = max(g.pages_per_request for g in report.groups) * budget["tokens_per_block"]
+        return f"give at least {option} {need} (every group holds that many token slots)"
+    if budget["form"] == "memory_fraction":
+        device = budget["device_memory_gib"] * GIB
+        if need_bytes > device:
+            return (
+                f"one request needs {format_bytes(need_bytes)} per rank, more than the whole device "
+                f"(--device-memory-gib {budget['device_memory_gib']})"
+            )
+        return f"give at least {option} {_ceil_to(need_bytes / device)} ({format_bytes(need_bytes)} per rank)"
+    return f"give at least {option} {_ceil_to(need_bytes / GIB)} ({format_bytes(need_bytes)} per rank)"
+
+
+def _shortfall_message(report: PoolReport, budget: dict, tokens_per_block: int, target: bool = False) -> str | None:
+    """One line naming the budget option, every short group with both numbers, and the least budget."""
     short = report.shortfalls()
     if not short:
         return None
+    option = _budget_option(budget, target)
     parts = []
     for i, g in short:
         window = "full attention" if g.window is None else f"window {g.window}"
@@ -288,7 +390,21 @@ def _shortfall_message(report: PoolReport, tokens_per_block: int) -> str | None:
             f"needs {g.pages_per_request} pages (the unaligned charge; {g.aligned_pages_per_request} with the "
             f"aligned, pages of {tokens_per_block} tokens)"
         )
-    return f"the {report.name} pool cannot hold one request: " + "; ".join(parts)
+    least = _least_budget(report, {**budget, "tokens_per_block": tokens_per_block}, option)
+    return f"argument {option}: the {report.name} pool cannot hold one request: " + "; ".join(parts) + f"; {least}"
+
+
+def _page_limit_message(report: PoolReport, budget: dict, target: bool = False) -> str | None:
+    """A budget buying more pages than 32-bit page indices address: the option and the limit."""
+    over = [(i, g) for i, g in enumerate(report.groups) if g.pool_pages > MAX_POOL_PAGES]
+    if not over:
+        return None
+    option = _budget_option(budget, target)
+    groups = ", ".join(f"group {i} {g.pool_pages} pages" for i, g in over)
+    return (
+        f"argument {option}: the {report.name} pool would hold more pages than a pool can address ({groups}; at "
+        f"most {MAX_POOL_PAGES}, page indices are 32-bit); give a smaller {option}"
+    )
 
 
 def _inputs(args: argparse.Namespace) -> dict:
@@ -317,16 +433,8 @@ def run_plan(args: argparse.Namespace) -> int:
         num_extra_kv_tokens=args.num_extra_kv_tokens,
         trail_tokens=trail_tokens_for(mode, geometry, is_draft_pool=True),
     )
-    print(format_report(report, args.tokens_per_block))
-    print(_budget_line(budget, report))
-    result = {"inputs": _inputs(args), "draft": {**report.to_dict(), "budget": budget}}
-    if args.shared_prefix:
-        saved = prefix_reuse_savings(report.name, geometry, args.shared_prefix, trail_tokens=report.trail_tokens)
-        print(format_savings(saved))
-        result["draft"]["shared_prefix_savings"] = saved.to_dict()
-    errors = [_shortfall_message(report, args.tokens_per_block)]
-
     target_groups = _groups(args.target_num_layers, args.target_window, args.target_num_full_layers)
+    target = target_report = target_budget = None
     if target_groups:
         target = PoolGeometry(
             target_groups, args.target_num_kv_heads, args.target_head_dim, dtype, args.tokens_per_block,
@@ -336,6 +444,22 @@ def run_plan(args: argparse.Namespace) -> int:
         target_report = plan_pool(
             "target", target, **target_kw, **common, num_extra_kv_tokens=args.target_num_extra_kv_tokens
         )
+    # A budget past what a pool can address is a bad input: refused before any table.
+    for message in (_page_limit_message(report, budget), target_report and _page_limit_message(
+            target_report, target_budget, target=True)):
+        if message:
+            parser.error(message)
+
+    print(format_report(report, args.tokens_per_block))
+    print(_budget_line(budget, report))
+    result = {"inputs": _inputs(args), "draft": {**report.to_dict(), "budget": budget}}
+    if args.shared_prefix:
+        saved = prefix_reuse_savings(report.name, geometry, args.shared_prefix, trail_tokens=report.trail_tokens)
+        print(format_savings(saved))
+        result["draft"]["shared_prefix_savings"] = saved.to_dict()
+    errors = [_shortfall_message(report, budget, args.tokens_per_block)]
+
+    if target_report is not None:
         print()
         print(format_report(target_report, args.tokens_per_block))
         print(_budget_line(target_budget, target_report))
@@ -349,7 +473,7 @@ def run_plan(args: argparse.Namespace) -> int:
         result["target"] = {**target_report.to_dict(), "budget": target_budget}
         result["max_concurrency"] = both
         result["max_concurrency_aligned"] = both_aligned
-        errors.append(_shortfall_message(target_report, args.tokens_per_block))
+        errors.append(_shortfall_message(target_report, target_budget, args.tokens_per_block, target=True))
     else:
         result["target"] = None
         result["max_concurrency"] = report.max_concurrency
@@ -361,8 +485,9 @@ def run_plan(args: argparse.Namespace) -> int:
         try:
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         except OSError as err:
-            print(f"{PROG}: error: argument --json: cannot write {args.json!r}: {err.strerror or err}", file=sys.stderr)
+            print(f"{parser.prog}: error: argument --json: cannot write {args.json!r}: {err.strerror or err}",
+                  file=sys.stderr)
             return 1
     for message in errors:
-        print(f"{PROG}: error: {message}", file=sys.stderr)
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
     return 1 if errors else 0

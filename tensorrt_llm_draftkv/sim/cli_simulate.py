@@ -64,7 +64,21 @@ def _int_at_least(minimum: int):
 
 
 positive_int = _int_at_least(1)
-window_tokens = _int_at_least(0)  # 0 = full attention
+window_tokens = _int_at_least(0)  # 0 = full attention; >= one page is checked with the page size (SimSetup.check)
+
+
+def page_size(text: str) -> int:
+    """--tokens-per-block (simulate and plan): the package's one page-size rule (`config.tokens_per_block_problem`)."""
+    from ..config import tokens_per_block_problem
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    problem = tokens_per_block_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return value
 
 
 def prompt_list(text: str) -> tuple[int, ...]:
@@ -97,8 +111,8 @@ handoff_form = _scenario_type("parse_handoff_form")
 block_reuse_mode = _scenario_type("parse_block_reuse")
 
 
-def _fail(prog: str, message: str) -> NoReturn:
-    """Every simulate usage error: one line on stderr, exit status 2 (argparse's own status for usage errors)."""
+def usage_fail(prog: str, message: str) -> NoReturn:
+    """Every usage error (simulate, plan, bench): one line on stderr, exit status 2 (argparse's own status for usage errors)."""
     sys.stderr.write(f"{prog}: error: {message}\n")
     raise SystemExit(2)
 
@@ -109,7 +123,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
 
     d = DEFAULT_SCENARIO.setup
     # Usage errors are one line (no usage block): argparse calls this parser's `error`.
-    p.error = lambda message: _fail(p.prog, message)  # type: ignore[method-assign]
+    p.error = lambda message: usage_fail(p.prog, message)  # type: ignore[method-assign]
+    p.set_defaults(_prog=p.prog)
     p.description = (
         "Run a scenario under the legacy and the history mirror sizing and print one row per run. Without "
         "--prompts or --config, the embedded default (sim/default_scenario.json; --print-config shows it)."
@@ -164,9 +179,11 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("geometry (default: the scenario's; a flag also wins over the runs' own values)")
     g.add_argument("--drafter", type=drafter_mode, metavar="{dflash,dspark}", help=f"drafter to model (default {d.drafter.label})")
     numbers = (  # flag, type, metavar, what, the field's default
-        ("--tokens-per-block", positive_int, "P", "page size", d.tokens_per_block),
-        ("--draft-window", window_tokens, "W", "draft attention window, 0 = full attention", d.draft_window or 0),
-        ("--target-window", window_tokens, "W", "target attention window, 0 = full attention", d.target_window or 0),
+        ("--tokens-per-block", page_size, "P", "page size, a power of two", d.tokens_per_block),
+        ("--draft-window", window_tokens, "W", "draft attention window, >= one page; 0 = full attention",
+         d.draft_window or 0),
+        ("--target-window", window_tokens, "W", "target attention window, >= one page; 0 = full attention",
+         d.target_window or 0),
         ("--chunk", positive_int, "N", "context chunk in tokens", d.chunk),
         ("--max-draft-len", positive_int, "N", "draft tokens per step", d.max_draft_len),
         ("--pool-requests", positive_int, "N", "concurrent requests both pools are sized for", d.pool_requests),
@@ -212,6 +229,12 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         f"drafter K/V (joint); history sizing only (default {d.block_reuse})",
     )
     o = p.add_argument_group("output")
+    o.add_argument(
+        "--wide",
+        action="store_true",
+        help="every column (tok/s, warmup too) and the events on each row's line (default: a table that fits "
+        "120 columns, events below their row)",
+    )
     o.add_argument("--json", metavar="FILE", help="write one record per row (its folder must exist)")
     o.add_argument("--plot", metavar="FILE.png", help="draw draft-pool occupancy over steps (needs matplotlib)")
     o.add_argument("--progress", action="store_true", help="show a progress bar on long runs (default: on a terminal)")
@@ -319,7 +342,13 @@ def build_scenario(args: argparse.Namespace):
         except ValueError as err:
             raise UsageError("--shared-prefix", str(err)) from None
     else:
-        runs = scenario.runs or DEFAULT_SCENARIO.runs  # a config file without runs: the default's
+        if args.config and not scenario.runs:  # `{}` or `"runs": []`: never the built-in runs behind the user's back
+            raise UsageError(
+                "--config",
+                f"{args.config} has no runs (its 'runs' list is missing or empty): add the runs to execute "
+                "(--print-config shows the format) or give --prompts",
+            )
+        runs = scenario.runs
         overridden = {field: None for field in RUN_OVERRIDES if field in changes}
         if args.concurrency:
             overridden["max_concurrency"] = args.concurrency
@@ -341,6 +370,8 @@ def build_scenario(args: argparse.Namespace):
         scenario.check()
     except ScenarioError as err:
         field = err.field.split(".")[-1]
+        if err.field.startswith("runs[") and args.config and not args.prompts:  # a run of the file
+            raise UsageError("--config", f"{args.config}: field {err.field}: {err.message}") from None
         if field in GEOMETRY_FLAGS:
             raise UsageError(GEOMETRY_FLAGS[field], err.message) from None
         if field == "shared_prefix" and args.prompts:
@@ -349,14 +380,37 @@ def build_scenario(args: argparse.Namespace):
     return scenario
 
 
+def sizings_asked(args: argparse.Namespace) -> list[str]:
+    """The sizings `--sizing` asks for, history first."""
+    return ["history", "legacy"] if args.sizing == "both" else [args.sizing]
+
+
+def check_something_runs(scenario, sizings: list[str]) -> None:
+    """At least one (run, sizing) pair runs: else a usage error saying why each run is left out."""
+    if any(spec.runs_under(sizing, scenario.setup) for spec in scenario.runs for sizing in sizings):
+        return
+    reasons = []
+    for spec in scenario.runs:
+        reuse = spec.setup_for(scenario.setup).block_reuse
+        if reuse != "off":
+            reasons.append(f"{spec.name} has block reuse {reuse}, which runs under history sizing only")
+        else:
+            reasons.append(f"{spec.name} runs under {' and '.join(spec.sizings or ())} sizing only")
+    fix = "use --sizing history or both"
+    if any("block reuse" in r for r in reasons):
+        fix += ", or --block-reuse off"
+    raise UsageError("--sizing", f"{' and '.join(sizings)} leaves nothing to run: {'; '.join(reasons)}; {fix}")
+
+
 def _notes(scenario) -> list[str]:
     """What a valid but overcommitted scenario will run into (said, not refused: it may be the experiment)."""
     notes = []
     for spec in scenario.runs:
         pool = spec.setup_for(scenario.setup).pool_requests
-        if spec.max_concurrency > pool:
+        in_flight = min(spec.max_concurrency, len(spec.prompts))  # a run never has more in flight than prompts
+        if in_flight > pool:
             notes.append(
-                f"note: run {spec.name} keeps {spec.max_concurrency} requests in flight in pools sized for {pool} "
+                f"note: run {spec.name} keeps {in_flight} requests in flight in pools sized for {pool} "
                 "(--pool-requests): expect resize failures"
             )
     return notes
@@ -370,6 +424,7 @@ def check_inputs(args: argparse.Namespace):
     if args.json and args.plot and Path(args.json).resolve() == Path(args.plot).resolve():
         raise UsageError("--plot", f"{args.plot} is also the --json file")
     scenario = build_scenario(args)
+    check_something_runs(scenario, sizings_asked(args))
     from_file = args.device is None and args.config is not None
     check_device(scenario.setup.device, f"--config ({args.config}: field device)" if from_file else "--device")
     if args.plot:
@@ -379,10 +434,11 @@ def check_inputs(args: argparse.Namespace):
 
 # -- the command ---------------------------------------------------------------------------------------------
 def run_simulate(args: argparse.Namespace) -> int:
+    prog = getattr(args, "_prog", PROG)
     try:
         scenario = check_inputs(args)
     except UsageError as err:
-        _fail(PROG, str(err))
+        usage_fail(prog, str(err))
     if args.print_config:
         print(json.dumps(scenario.to_dict(), indent=2))
         return 0
@@ -398,19 +454,19 @@ def run_simulate(args: argparse.Namespace) -> int:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
     from ..manager.rules import MirrorSizing
-    from .simulate import format_pairs, format_table, simulate, write_json, write_plot
+    from .simulate import fit_lines, format_pairs, format_table, simulate, write_json, write_plot
 
     sizings = [MirrorSizing.HISTORY, MirrorSizing.LEGACY] if args.sizing == "both" else [MirrorSizing(args.sizing)]
     results = simulate(scenario, sizings, progress=(args.progress or sys.stderr.isatty()) and not args.quiet)
-    print(format_table(results))
+    print(format_table(results, wide=args.wide))
     pairs = format_pairs(results)
     if pairs:
-        print(f"\n{pairs}")
+        print(f"\n{pairs if args.wide else fit_lines(pairs)}")
     try:
         if args.json:
             write_json(results, args.json, scenario)
         if args.plot:
             write_plot(results, args.plot)
     except OSError as err:  # the folder went away during the run
-        _fail(PROG, f"cannot write {err.filename}: {err.strerror or err}")
+        usage_fail(prog, f"cannot write {err.filename}: {err.strerror or err}")
     return 0

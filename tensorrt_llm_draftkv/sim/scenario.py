@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..config import ParsableEnum, SpeculativeDecodingMode
+from ..config import DEFAULT_DRAFTER, ParsableEnum, SpeculativeDecodingMode, tokens_per_block_problem, window_problem
 from ..speculative.handoff import DrafterHandoff, HandoffForm
 
 MODES = ("aggregated", "disaggregated")
@@ -55,6 +55,15 @@ def _window(value: Any, name: str) -> int | None:
     if value is None or (value == 0 and not isinstance(value, bool)):
         return None
     return _int(value, name)
+
+
+def check_window(window: int | None, tokens_per_block: int, name: str) -> None:
+    """The package's one window rule (`config.window_problem`): None is full attention, else >= one page."""
+    if window is not None:
+        _int(window, name)
+    problem = window_problem(window, tokens_per_block, "tokens per block", "0 for full attention")
+    if problem:
+        raise ScenarioError(name, problem)
 
 
 def parse_drafter(value: Any, name: str = "drafter") -> SpeculativeDecodingMode:
@@ -136,7 +145,7 @@ class SimSetup:
     sizing only.
     """
 
-    drafter: SpeculativeDecodingMode = SpeculativeDecodingMode.DFLASH
+    drafter: SpeculativeDecodingMode = DEFAULT_DRAFTER
     tokens_per_block: int = 32
     target_window: int | None = 4096
     draft_window: int | None = 4096
@@ -192,9 +201,11 @@ class SimSetup:
         parse_block_reuse(self.block_reuse)
         for name, minimum in self._MINIMUMS.items():
             _int(getattr(self, name), name, minimum)
+        problem = tokens_per_block_problem(self.tokens_per_block)  # the package's one page rule
+        if problem:
+            raise ScenarioError("tokens_per_block", problem)
         for name in ("target_window", "draft_window"):
-            if getattr(self, name) is not None:
-                _int(getattr(self, name), name)
+            check_window(getattr(self, name), self.tokens_per_block, name)
         if not isinstance(self.trail_page, bool):
             raise ScenarioError("trail_page", f"must be true or false, got {self.trail_page!r}")
         if not isinstance(self.device, str) or not self.device:
@@ -408,6 +419,7 @@ class Scenario:
             if spec.draft_window is not None:
                 _int(spec.draft_window, f"{where}.draft_window", minimum=0)
             setup = spec.setup_for(self.setup)
+            check_window(setup.draft_window, setup.tokens_per_block, f"{where}.draft_window")
             if spec.shared_prefix and len(spec.prompts) < 2:
                 raise ScenarioError(
                     f"{where}.shared_prefix",
@@ -439,7 +451,7 @@ class Scenario:
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, base: SimSetup | None = None) -> "Scenario":
         """A scenario from its config-file form. Setup fields left out keep `base`'s (default: `SimSetup()`);
-        without `runs` the scenario has none (the command line then runs the default's)."""
+        without `runs` the scenario has none (the command line then needs `--prompts`)."""
         if not isinstance(data, dict):
             kind = type(data).__name__
             raise ScenarioError("", f"a scenario is a JSON object (SimSetup fields and a runs list), got {kind}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
@@ -88,6 +89,12 @@ class RunResult:
     handoff_bytes_sent: int = 0
     handoff_bytes_without_gen_reuse: int = 0
     handoff_bytes_saved: int = 0
+    # Against the estimate: did one request hold more draft pages than the estimator charges it, and how
+    # many requests of that peak the pool (sized for `pool_requests` charges) holds at once: a run that
+    # finishes only because its few requests had the pool to themselves shows here.
+    peak_over_estimate: bool = False
+    pool_requests: int = 0
+    requests_pool_holds_at_peak: int = 0
     draft_pool_occupancy: list[int] = field(default_factory=list, repr=False)
     # The run's own geometry (the scenario's setup with the run's overrides) and its
     # in-flight limit; when unset, `to_json(scenario)` looks the run up by name.
@@ -511,10 +518,21 @@ def _result(scenario: Scenario, spec, sizing: MirrorSizing, stats, references, b
             stats.context_worker.cached_free_pages_at_end if stats.context_worker else 0
         ),
         draft_pool_occupancy=stats.draft_pool_occupancy,
+        **against_estimate(setup, stats.peak_draft_pages_per_request),
         setup=setup,
         max_concurrency=spec.max_concurrency,
         plot_trace=PlotTrace(bar.foreign_per_step, setup.pool_requests * draft_pages_per_request(setup)),
     )
+
+
+def against_estimate(setup: SimSetup, peak: int) -> dict:
+    """`peak_over_estimate`, `pool_requests` and `requests_pool_holds_at_peak` of a run whose largest
+    request held `peak` draft pages: the pool holds `pool_requests` estimator charges."""
+    estimate = draft_pages_per_request(setup)
+    pool_pages = setup.pool_requests * estimate
+    holds = setup.pool_requests if peak <= 0 else min(setup.pool_requests, pool_pages // peak)
+    return dict(peak_over_estimate=peak > estimate, pool_requests=setup.pool_requests,
+                requests_pool_holds_at_peak=holds)
 
 
 def pair_runs(results: list[RunResult]) -> None:
@@ -565,7 +583,80 @@ def pair_reuse_runs(results: list[RunResult]) -> None:
 
 
 # -- reporting ------------------------------------------------------------------------------
-def format_table(results: list[RunResult]) -> str:
+#: The compact table's width (a terminal's): every line fits; `--wide` gives every column on one line per row.
+TABLE_WIDTH = 120
+
+
+def format_table(results: list[RunResult], *, wide: bool = False) -> str:
+    """The rows, under a caption naming the drafter and over a legend of the less obvious columns.
+
+    Compact (default): every line fits `TABLE_WIDTH` columns; tok/s and warmup are left out (a skipped
+    warmup is an event) and each row's events and first error go on indented lines below it. `wide`:
+    every column and the events on the row's own line (as `--wide` prints it)."""
+    caption = _caption(results)
+    body = _wide_rows(results) if wide else _compact_rows(results)
+    return "\n".join([*caption, *body, "", *_legend()])
+
+
+def fit_lines(text: str, width: int = TABLE_WIDTH) -> str:
+    """`text` with every line longer than `width` wrapped, its continuation indented 4 past the line's own."""
+    out = []
+    for line in text.splitlines():
+        if len(line) <= width:
+            out.append(line)
+            continue
+        indent = " " * (len(line) - len(line.lstrip()) + 4)
+        out.extend(textwrap.wrap(line, width, subsequent_indent=indent, break_on_hyphens=False))
+    return "\n".join(out)
+
+
+def _caption(results: list[RunResult]) -> list[str]:
+    drafters = sorted({r.setup.drafter.label for r in results if r.setup is not None})
+    pools = sorted({r.setup.pool_requests for r in results if r.setup is not None})
+    if not drafters:
+        return []
+    sized = f"; pools sized by the estimator for {'/'.join(map(str, pools))} requests" if pools else ""
+    return [f"drafter: {', '.join(drafters)} (a DFlash-style toy drafter; docs/glossary.md){sized}"]
+
+
+def _legend() -> list[str]:
+    text = (
+        "peak/est: most draft pages one request held / the estimator's charge. handoff: drafter context a "
+        "disaggregated generation worker received, as a share of the whole prompts'. reused: prompt tokens block "
+        "reuse saved (t target, T target-all, j joint; /g: on the generation worker). events: docs/glossary.md"
+    )
+    return textwrap.wrap(text, TABLE_WIDTH)
+
+
+def _compact_rows(results: list[RunResult]) -> list[str]:
+    w = max([12, *(len(r.name) for r in results)])
+    head = (
+        f"{'run':<{w}} {'sizing':<7} {'mode':<6} {'finished':>8} {'fail':>4} {'foreign':>8} {'peak/est':>9} "
+        f"{'accept':>6} {'= target':>8} {'reused':>17} {'handoff':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        total = len(r.prompt_tokens)
+        match = "-" if r.output_matches_target is None else ("yes" if r.output_matches_target else "NO")
+        peak = f"{r.peak_draft_pages_per_request}/{r.estimated_draft_pages_per_request}"
+        lines.append(
+            f"{r.name:<{w}} {r.sizing:<7} {r.mode[:6]:<6} {f'{r.finished}/{total}':>8} {r.resize_failures:>4} "
+            f"{r.foreign_page_accesses:>8} {peak:>9} {r.acceptance_length:>6.3f} {match:>8} {_reuse_cell(r):>17} "
+            f"{_handoff_cell(r):>7}"
+        )
+        events = " ".join(x for x in (_events(r), "warmup=skipped" if r.skipped_warmups else "") if x)
+        if events:
+            lines.extend(textwrap.wrap(events, TABLE_WIDTH, initial_indent="    events: ",
+                                       subsequent_indent=" " * 12, break_on_hyphens=False))
+        if r.first_error:
+            first = r.first_error.splitlines()[0]
+            lead = "    error: "
+            room = TABLE_WIDTH - len(lead)
+            lines.append(lead + (first if len(first) <= room else first[: room - 3] + "..."))
+    return lines
+
+
+def _wide_rows(results: list[RunResult]) -> list[str]:
     w = max([12, *(len(r.name) for r in results)])  # the run column fits the longest name
     head = (
         f"{'run':<{w}} {'sizing':<8} {'mode':<6} {'finished':>9} {'resize fail':>11} {'foreign':>8} "
@@ -582,9 +673,9 @@ def format_table(results: list[RunResult]) -> str:
             f"{r.name:<{w}} {r.sizing:<8} {r.mode[:6]:<6} {f'{r.finished}/{total}':>9} {r.resize_failures:>11} "
             f"{r.foreign_page_accesses:>8} {f'{r.peak_draft_pages_per_request}/{r.estimated_draft_pages_per_request}':>15} "
             f"{('skipped' if r.skipped_warmups else 'ok'):>7} {r.acceptance_length:>7.3f} {r.tokens_per_s:>8.1f} "
-            f"{match:>9} {_handoff_cell(r):>8} {_reuse_cell(r):>17}  {err}"
+            f"{match:>9} {_handoff_cell(r):>8} {_reuse_cell(r):>17}  {err}".rstrip()
         )
-    return "\n".join(lines)
+    return lines
 
 
 def _reuse_cell(r: RunResult) -> str:
@@ -652,7 +743,14 @@ def format_reuse_pairs(results: list[RunResult]) -> str:
 
 
 def _events(r: RunResult) -> str:
-    """The counters that are not zero: reseeds and seed lag (exercised), then any violation."""
+    """The counters that are not zero: reseeds and seed lag (exercised), then any violation: a request
+    above the estimate (`over_est=peak/est`) and a pool that holds fewer such requests than it was sized
+    for (`pool_holds=n/N`) come first, since the other columns can look healthy then."""
+    estimate = []
+    if r.peak_over_estimate:
+        estimate.append(f"over_est={r.peak_draft_pages_per_request}/{r.estimated_draft_pages_per_request}")
+    if r.pool_requests and r.requests_pool_holds_at_peak < r.pool_requests:
+        estimate.append(f"pool_holds={r.requests_pool_holds_at_peak}/{r.pool_requests}")
     named = (
         ("reseeds", r.slot_reseeds),
         ("reseeds_without_handoff", r.reseeds_without_handoff),
@@ -665,7 +763,7 @@ def _events(r: RunResult) -> str:
         ("refused", r.refused_requests),
         ("held_at_end", max(r.pages_held_at_end, 0)),
     )
-    return " ".join(f"{name}={value}" for name, value in named if value)
+    return " ".join([*estimate, *(f"{name}={value}" for name, value in named if value)])
 
 
 def write_json(results: list[RunResult], path: str, scenario: Scenario | None = None) -> None:

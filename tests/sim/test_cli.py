@@ -64,8 +64,8 @@ def cli(*args: str, timeout: float = 300, hide: Path | None = None) -> subproces
 
 
 def table_rows(out: str) -> dict[tuple[str, str], list[str]]:
-    """(run, sizing) -> the row's cells: run sizing mode finished resize foreign peak/est warmup accept tok/s match
-    handoff reused [events / error...]."""
+    """(run, sizing) -> the row's cells of the `--wide` table: run sizing mode finished resize foreign peak/est
+    warmup accept tok/s match handoff reused [events / error...]."""
     lines = out.splitlines()
     head = next(i for i, line in enumerate(lines) if line.split()[:3] == ["run", "sizing", "mode"])
     rows = {}
@@ -85,7 +85,7 @@ def disagg_16k(tmp_path_factory):
 
     def compute():
         path = tmp_path_factory.mktemp("cli") / "runs.json"
-        proc = cli("--runs", "disagg-16k", "--json", str(path))
+        proc = cli("--runs", "disagg-16k", "--wide", "--json", str(path))
         records = json.loads(path.read_text()) if path.is_file() else None
         return proc.returncode, proc.stdout, proc.stderr, records
 
@@ -150,7 +150,7 @@ def test_the_table_shows_what_the_json_says(disagg_16k):
 @pytest.mark.slow
 def test_the_default_command_runs_the_whole_scenario():
     # How long it takes is a benchmark figure (benchmarks/main_command.py), not a test.
-    proc = cli(timeout=900)
+    proc = cli("--wide", timeout=900)
     assert proc.returncode == 0, proc.stderr
     rows = table_rows(proc.stdout)
     prefix_runs = [
@@ -292,7 +292,8 @@ def test_plot_without_matplotlib_exits_with_a_clear_message_before_simulating(tm
 def test_history_only_without_the_trail_page_writes_its_record(tmp_path):
     js = tmp_path / "runs.json"
     proc = cli(
-        "--runs", "disagg-16k", "--sizing", "history", "--max-new-tokens", "8", "--no-trail-page", "--json", str(js)
+        "--runs", "disagg-16k", "--sizing", "history", "--max-new-tokens", "8", "--no-trail-page", "--json", str(js),
+        "--wide",
     )
     assert proc.returncode == 0, proc.stderr
     _check_history_only_without_trail_page(js)

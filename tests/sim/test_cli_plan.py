@@ -31,7 +31,7 @@ UPSTREAM = [
     "plan", "--drafter", "dspark", "--num-layers", "5", "--num-kv-heads", "4", "--head-dim", "128",
     "--dtype", "bf16", "--tokens-per-block", "32", "--window", "4096",
 ]
-#: The simulator's draft geometry (DSpark): chunks of 8192, 7 drafts, 8 extra KV tokens.
+#: The simulator's draft geometry (DFlash, the default drafter): chunks of 8192, 7 drafts, 8 extra KV tokens.
 DEFAULT_GEOMETRY = [
     "plan", "--window", "4096", "--tokens-per-block", "32", "--chunk", "8192", "--max-draft-len", "7",
     "--num-extra-kv-tokens", "8",
@@ -147,7 +147,7 @@ def test_help_shows_the_defaults(capsys):
     code, out, _ = run(capsys, "plan", "--help")
     assert code == 0
     out = " ".join(out.split())  # help wraps to the terminal's width
-    for text in ("(default: dspark)", "(default: 5)", "(default: 4096)", "(default: 8192)", "(default: 1.0)",
+    for text in ("(default: dflash)", "(default: 5)", "(default: 4096)", "(default: 8192)", "(default: 1.0)",
                  "(default: bfloat16)", "(default: 524288)", "(default: 7)", "--num-extra-kv-tokens", "--tp",
                  "--max-tokens", "--memory-fraction", "--device-memory-gib", "--json"):
         assert text in out, text
@@ -326,7 +326,7 @@ def test_json_holds_the_whole_report(capsys, tmp_path):
     report = json.loads(path.read_text())
     assert set(report) == {"inputs", "draft", "target", "max_concurrency", "max_concurrency_aligned", "errors"}
     inputs = report["inputs"]
-    assert inputs["drafter"] == "dspark" and inputs["dtype"] == "bfloat16" and inputs["tp"] == 2
+    assert inputs["drafter"] == "dflash" and inputs["dtype"] == "bfloat16" and inputs["tp"] == 2
     assert inputs["window"] == 4096 and inputs["chunk"] == 8192 and inputs["num_extra_kv_tokens"] == 8
     assert inputs["target_num_layers"] == 3 and inputs["json"] == str(path)
     draft, target = report["draft"], report["target"]
@@ -361,10 +361,16 @@ def test_json_is_written_when_the_pool_is_too_small(capsys, tmp_path):
     assert "the budget buys 1 pages" in report["errors"][0]
 
 
-def test_huge_values_do_not_overflow(capsys):
-    code, out, err = run(capsys, *UPSTREAM, "--pool-gib", "1e300", "--num-layers", "10" * 20)
-    assert code == 0, err
-    assert "Traceback" not in err and "max concurrency" in out
+@pytest.mark.parametrize(
+    "args, text",
+    [
+        (("--pool-gib", "1e300"), "argument --pool-gib: must be <= 1048576 GiB (1 PiB), got 1e300"),
+        (("--num-layers", "10" * 20), f"argument --num-layers: must be <= 10000, got {'10' * 20}"),
+    ],
+)
+def test_huge_values_are_refused_naming_the_bound(capsys, args, text):
+    code, out, err = run(capsys, *UPSTREAM, *args)
+    assert code == 2 and out == "" and err.strip().endswith(text), err
 
 
 def test_budget_bytes_of_plan_pool_and_the_page_size_agree():

@@ -277,13 +277,10 @@ def test_flags_override_the_config_file_and_the_runs_own_values(capsys, tmp_path
     assert config["max_new_tokens"] == 4
     (run,) = config["runs"]
     assert "max_new_tokens" not in run and run["drafter_slots"] == 1  # the flag wins over the run's own
-    # Without --prompts and without runs in the file: the default runs, --mode keeping those of one mode.
+    # A file without runs gives the geometry of --prompts' runs (and is refused without --prompts).
     path.write_text(json.dumps({"chunk": 4096}))
-    config = printed_config(capsys, "--config", str(path), "--mode", "aggregated", "--drafter-slots", "3")
-    assert [r["name"] for r in config["runs"]] == [
-        "agg-16k", "agg-long", "agg-evict", "agg-window", "agg-prefix", "agg-prefix-reuse", "agg-prefix-joint"
-    ]
-    assert all("drafter_slots" not in r for r in config["runs"])
+    config = printed_config(capsys, "--config", str(path), "--prompts", "300", "--drafter-slots", "3")
+    assert [r["name"] for r in config["runs"]] == ["user-agg", "user-disagg"]
     assert config["chunk"] == 4096 and config["drafter_slots"] == 3
 
 
@@ -355,7 +352,7 @@ def test_own_prompts_in_both_modes_finish_clean_under_history(tmp_path):
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(
         [sys.executable, "-m", "tensorrt_llm_draftkv", "--prompts", "1023,2049", "--mode", "both", *SMALL,
-         "--sizing", "history", "--json", str(js)],
+         "--sizing", "history", "--wide", "--json", str(js)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr

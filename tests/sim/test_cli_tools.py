@@ -227,7 +227,9 @@ def test_the_plot_has_one_panel_per_row_of_the_table(tmp_path, reference_kernels
     results = simulate(scenario, [MirrorSizing.HISTORY, MirrorSizing.LEGACY])
     png = tmp_path / "occupancy.png"
     write_plot(results, str(png))
-    rows = [line.split()[:2] for line in format_table(results).splitlines()[2:]]
+    lines = format_table(results, wide=True).splitlines()
+    body = lines[lines.index(next(x for x in lines if x.startswith("---"))) + 1 :]
+    rows = [line.split()[:2] for line in body[: body.index("")]]
     description = png_text(png)["Description"]
     assert description.startswith(f"{len(rows)} panels: ")
     assert description.split(": ", 1)[1].split("; ") == [f"{name}/{sizing}" for name, sizing in rows]
