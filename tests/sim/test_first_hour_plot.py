@@ -47,3 +47,40 @@ def test_block_reuse_over_runs_that_never_reused_turns_it_on(capsys):
     assert config["runs"][0]["block_reuse"] == "joint"
     config = printed_config(capsys, "--block-reuse", "joint", "--prompts", "517,1031", "--shared-prefix", "4096")
     assert config["block_reuse"] == "joint"
+
+
+# -- the estimate the plot draws -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def clean_history_run():
+    """A small aggregated history run of three requests, two in flight: clean, within its estimate."""
+    from support import SMALL
+
+    from tensorrt_llm_draftkv.manager.rules import MirrorSizing
+    from tensorrt_llm_draftkv.sim import RunSpec, Scenario
+    from tensorrt_llm_draftkv.sim.simulate import simulate
+
+    scenario = Scenario(replace(SMALL, max_new_tokens=16), (RunSpec("agg", "aggregated", (700, 1500, 300), 2),))
+    (result,) = simulate(scenario, [MirrorSizing.HISTORY])
+    return result
+
+
+def test_the_estimate_line_is_per_step_estimate_times_the_requests_holding_a_mirror(clean_history_run):
+    from tensorrt_llm_draftkv.sim.simulate import estimate_curve
+
+    r = clean_history_run
+    assert r.finished == 3 and r.foreign_page_accesses == 0 and not r.peak_over_estimate
+    curve = estimate_curve(r)
+    counts = r.plot_trace.requests_per_step
+    assert len(curve) == len(counts) == len(r.draft_pool_occupancy) > 0
+    assert curve == [r.estimated_draft_pages_per_request * n for n in counts]
+    assert max(counts) == 2  # two requests in flight: the sum over them is what the occupancy is compared with
+    # a clean run never crosses the line it is drawn against (the per-request estimate alone it does cross)
+    assert all(held <= charged for held, charged in zip(r.draft_pool_occupancy, curve))
+    assert max(r.draft_pool_occupancy) > r.estimated_draft_pages_per_request
+
+
+def test_without_a_per_step_count_the_line_is_the_estimate_times_the_requests_in_flight(clean_history_run):
+    from tensorrt_llm_draftkv.sim.simulate import estimate_curve
+
+    r = replace(clean_history_run, plot_trace=None)
+    assert set(estimate_curve(r)) == {2 * r.estimated_draft_pages_per_request}
