@@ -409,5 +409,6 @@ class Executor:
             return
         held = [self.draft_manager.get_cache(rid).num_held_pages() for rid in self.draft_manager.request_ids()]
         self.stats.draft_pool_occupancy.append(sum(held))
+        self.stats.draft_requests_per_step.append(len(held))
         if held:
             self.stats.peak_draft_pages_per_request = max(self.stats.peak_draft_pages_per_request, max(held))

@@ -306,6 +306,7 @@ class PlotTrace:
 
     foreign_per_step: list[int]  # cumulative foreign accesses after each executor step
     pool_pages: int  # pages of the run's draft pool (its capacity)
+    requests_per_step: list[int] = field(default_factory=list)  # requests holding a draft mirror, per step
 
 
 class _Progress:
@@ -521,7 +522,10 @@ def _result(scenario: Scenario, spec, sizing: MirrorSizing, stats, references, b
         **against_estimate(setup, stats.peak_draft_pages_per_request),
         setup=setup,
         max_concurrency=spec.max_concurrency,
-        plot_trace=PlotTrace(bar.foreign_per_step, setup.pool_requests * draft_pages_per_request(setup)),
+        plot_trace=PlotTrace(
+            bar.foreign_per_step, setup.pool_requests * draft_pages_per_request(setup),
+            list(stats.draft_requests_per_step),
+        ),
     )
 
 
@@ -777,7 +781,8 @@ def write_json(results: list[RunResult], path: str, scenario: Scenario | None = 
 def write_plot(results: list[RunResult], path: str) -> None:
     """One panel per row of the table: draft pages held (all requests) per executor step.
 
-    Each panel draws the pool's capacity and the per-request estimate as lines,
+    Each panel draws the pool's capacity and, per step, the per-request estimate times the requests then
+    holding a mirror (`estimate_curve`: the sum the occupancy is comparable with) as lines,
     the drafter's foreign-page accesses (cumulative) on a secondary axis, and a
     run that died (resize failure) or refused requests with its error text.
     Rows of one run sit side by side when both sizings ran.
@@ -803,7 +808,7 @@ def write_plot(results: list[RunResult], path: str) -> None:
     handles = [
         Line2D([], [], color="C0", lw=1.8, label="draft pages held (all requests)"),
         Line2D([], [], color="0.25", ls="--", lw=1.2, label="draft pool capacity"),
-        Line2D([], [], color="C2", ls=":", lw=1.6, label="estimate per request"),
+        Line2D([], [], color="C2", ls=":", lw=1.6, label="estimate x requests holding a mirror"),
         Line2D([], [], color="C3", lw=1.4, label="foreign accesses, cumulative (right axis)"),
     ]
     if any(r.resize_failures for r in results):
@@ -823,6 +828,21 @@ def write_plot(results: list[RunResult], path: str) -> None:
     plt.close(fig)
 
 
+def estimate_curve(r: RunResult) -> list[int]:
+    """Per executor step, what the estimator charged the requests then holding a draft mirror: the
+    per-request estimate times their number. The plot draws it against the all-requests occupancy (the
+    per-request estimate alone is not comparable with a sum over requests). Without a per-step count
+    (results built elsewhere), the estimate times the requests the run could have in flight."""
+    est = r.estimated_draft_pages_per_request
+    occupancy = list(r.draft_pool_occupancy)
+    trace = getattr(r, "plot_trace", None)
+    counts = list(trace.requests_per_step) if trace is not None else []
+    if len(counts) == len(occupancy) and counts:
+        return [est * n for n in counts]
+    in_flight = min(len(r.prompt_tokens), r.max_concurrency or len(r.prompt_tokens))
+    return [est * in_flight] * len(occupancy)
+
+
 def _plot_panel(ax, r: RunResult) -> None:
     """One row of the table (see `write_plot`)."""
     import textwrap
@@ -839,15 +859,17 @@ def _plot_panel(ax, r: RunResult) -> None:
     steps = list(range(1, len(occupancy) + 1))
     ax.plot(steps, occupancy, color="C0", lw=1.8)
     ax.axhline(capacity, color="0.25", ls="--", lw=1.2)
-    ax.axhline(est, color="C2", ls=":", lw=1.6)
+    charged = estimate_curve(r)
+    ax.plot(steps, charged, color="C2", ls=":", lw=1.6, drawstyle="steps-post")
     ax.text(1.0, capacity, f"pool {capacity}", transform=ax.get_yaxis_transform(), ha="right", va="bottom",
             fontsize=7, color="0.25")
-    ax.text(1.0, est, f"estimate {est}", transform=ax.get_yaxis_transform(), ha="right", va="bottom", fontsize=7,
-            color="C2")
+    if charged:
+        ax.text(1.0, max(charged), f"estimate {est} x requests", transform=ax.get_yaxis_transform(), ha="right",
+                va="bottom", fontsize=7, color="C2")
     last = max(len(occupancy), 1)
     ax.set_xlim(0, last + max(1, last // 40))
     headroom = 1.35 if r.first_error else 1.12  # room for the error text above the capacity line
-    ax.set_ylim(0, max(capacity, max(occupancy, default=0)) * headroom)
+    ax.set_ylim(0, max(capacity, max(occupancy, default=0), max(charged, default=0)) * headroom)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("executor step", fontsize=8)
     ax.set_ylabel("draft pages held", fontsize=8)

@@ -45,6 +45,8 @@ class RunStats:
     steps: int = 0
     wall_s: float = 0.0
     draft_pool_occupancy: list[int] = field(default_factory=list)
+    #: per step, beside `draft_pool_occupancy`: the requests holding a draft mirror (what the estimate is per)
+    draft_requests_per_step: list[int] = field(default_factory=list)
     outputs: dict[int, list[int]] = field(default_factory=dict)
     #: disaggregated runs (the generation worker's stats): the context worker's own, outputs dropped
     context_worker: "RunStats | None" = None

@@ -291,9 +291,9 @@ def test_shared_prefix_and_block_reuse_flags(capsys):
     (run,) = config["runs"]
     assert config["block_reuse"] == "joint"
     assert run["shared_prefix"] == 65536 and run["prompts"] == [517, 1031, 1031]
-    # the flag wins over the runs' own block_reuse (the default's shared-prefix runs)
+    # the flag wins over the runs' own block_reuse (the default's shared-prefix runs), on the runs themselves
     config = printed_config(capsys, "--block-reuse", "target", "--runs", "agg-prefix-joint")
-    assert config["block_reuse"] == "target" and "block_reuse" not in config["runs"][0]
+    assert config["block_reuse"] == "off" and config["runs"][0]["block_reuse"] == "target"
     line = usage_error(capsys, "--shared-prefix", "1024")
     assert "argument --shared-prefix: needs --prompts" in line
     line = usage_error(capsys, "--prompts", "517", "--shared-prefix", "1024")
