@@ -1,8 +1,9 @@
 """Helpers the test modules share (import as `from support import ...`; tests/conftest.py puts this folder on the path)."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
+from tensorrt_llm_draftkv import LlmRequestState
 from tensorrt_llm_draftkv.sim import SimSetup, phrase_stream
 
 # Chunk 512, windows 256/256, 16-token pages, 64 new tokens: each simulator run takes a fraction of a second.
@@ -179,3 +180,50 @@ def reuse_probe_rank(rank: int, **build):
     executor.reuse_probe = probe = {}
     _attach_to_stats(executor, "reuse_probe", probe)
     return executor
+
+
+@dataclass
+class UpstreamRequest:
+    """Only what upstream's LlmRequest offers the KV cache managers."""
+
+    py_request_id: int
+    prompt_len: int
+    tokens: list[int]
+    context_current_position: int = 0
+    context_chunk_size: int = 0
+    state: LlmRequestState = LlmRequestState.CONTEXT_INIT
+    py_draft_tokens: list[int] = field(default_factory=list)
+    is_dummy: bool = False
+    max_new_tokens: int = 64
+    prepopulated_prompt_len: int = 0
+    use_draft_model: bool = False
+
+    def get_tokens(self, beam: int) -> list[int]:
+        return self.tokens
+
+    def set_prepopulated_prompt_len(self, n: int, tokens_per_block: int) -> None:
+        self.prepopulated_prompt_len = n
+
+    @property
+    def max_beam_num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_first_context_chunk(self) -> bool:
+        return self.context_current_position == 0
+
+    @property
+    def is_last_context_chunk(self) -> bool:
+        return self.context_current_position + self.context_chunk_size >= self.prompt_len
+
+    @property
+    def is_context_init_state(self) -> bool:
+        return self.state == LlmRequestState.CONTEXT_INIT
+
+    @property
+    def is_generation_in_progress_state(self) -> bool:
+        return self.state == LlmRequestState.GENERATION_IN_PROGRESS
+
+    @property
+    def is_disagg_generation_init_state(self) -> bool:
+        return self.state == LlmRequestState.DISAGG_GENERATION_INIT

@@ -6,7 +6,6 @@ LlmRequest's attributes, so the managers are shown to read nothing else.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -18,55 +17,9 @@ from tensorrt_llm_draftkv.config import KVPoolConfig, LayerGroupConfig
 from tensorrt_llm_draftkv.llmapi import DFlashDecodingConfig, KvCacheConfig, MTPDecodingConfig
 from tensorrt_llm_draftkv.manager import KVCacheResizeError, MissingKVCacheError
 from tensorrt_llm_draftkv.mapping import Mapping
+from support import UpstreamRequest
 
 E = inspect.Parameter.empty
-
-
-@dataclass
-class UpstreamRequest:
-    """Only what upstream's LlmRequest offers the KV cache managers."""
-
-    py_request_id: int
-    prompt_len: int
-    tokens: list[int]
-    context_current_position: int = 0
-    context_chunk_size: int = 0
-    state: LlmRequestState = LlmRequestState.CONTEXT_INIT
-    py_draft_tokens: list[int] = field(default_factory=list)
-    is_dummy: bool = False
-    max_new_tokens: int = 64
-    prepopulated_prompt_len: int = 0
-    use_draft_model: bool = False
-
-    def get_tokens(self, beam: int) -> list[int]:
-        return self.tokens
-
-    def set_prepopulated_prompt_len(self, n: int, tokens_per_block: int) -> None:
-        self.prepopulated_prompt_len = n
-
-    @property
-    def max_beam_num_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def is_first_context_chunk(self) -> bool:
-        return self.context_current_position == 0
-
-    @property
-    def is_last_context_chunk(self) -> bool:
-        return self.context_current_position + self.context_chunk_size >= self.prompt_len
-
-    @property
-    def is_context_init_state(self) -> bool:
-        return self.state == LlmRequestState.CONTEXT_INIT
-
-    @property
-    def is_generation_in_progress_state(self) -> bool:
-        return self.state == LlmRequestState.GENERATION_IN_PROGRESS
-
-    @property
-    def is_disagg_generation_init_state(self) -> bool:
-        return self.state == LlmRequestState.DISAGG_GENERATION_INIT
 
 
 def request(rid: int, prompt: int, chunk: int | None = None) -> UpstreamRequest:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +20,7 @@ from hypothesis import strategies as st
 from tensorrt_llm_draftkv import (CUDA_GRAPH_DUMMY_REQUEST_ID, CacheType, DataType, DFlashDecodingConfig,
                                   DFlashSpecMetadata, DFlashWorker, DraftStoreRefused, KVCacheManagerV2,
                                   KvCacheConfig, LlmRequestState, Mapping, ScheduledRequests)
+from support import UpstreamRequest
 
 P = 8
 K = 3
@@ -29,51 +29,7 @@ MAX_BATCH = 4
 H, D = 2, 4
 
 
-@dataclass
-class Req:
-    """Only upstream LlmRequest's attributes."""
-
-    py_request_id: int
-    prompt_len: int
-    tokens: list[int]
-    context_current_position: int = 0
-    context_chunk_size: int = 0
-    state: LlmRequestState = LlmRequestState.CONTEXT_INIT
-    py_draft_tokens: list[int] = field(default_factory=list)
-    is_dummy: bool = False
-    max_new_tokens: int = 64
-    prepopulated_prompt_len: int = 0
-    use_draft_model: bool = False
-
-    def get_tokens(self, beam: int) -> list[int]:
-        return self.tokens
-
-    def set_prepopulated_prompt_len(self, n: int, tokens_per_block: int) -> None:
-        self.prepopulated_prompt_len = n
-
-    @property
-    def max_beam_num_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def is_first_context_chunk(self) -> bool:
-        return self.context_current_position == 0
-
-    @property
-    def is_last_context_chunk(self) -> bool:
-        return self.context_current_position + self.context_chunk_size >= self.prompt_len
-
-    @property
-    def is_context_init_state(self) -> bool:
-        return self.state == LlmRequestState.CONTEXT_INIT
-
-    @property
-    def is_generation_in_progress_state(self) -> bool:
-        return self.state == LlmRequestState.GENERATION_IN_PROGRESS
-
-    @property
-    def is_disagg_generation_init_state(self) -> bool:
-        return self.state == LlmRequestState.DISAGG_GENERATION_INIT
+Req = UpstreamRequest
 
 
 class ToyDrafter:
