@@ -48,7 +48,7 @@ def full_state(mgr):
     return (
         mgr.request_ids(),
         {rid: mgr.get_cache(rid).checkpoint() for rid in mgr.request_ids()},
-        [(list(pool._free), frozenset(pool._held), pool.total) for pool in mgr.pools()],
+        [(pool.free_order(), pool.held_pages(), pool.total) for pool in mgr.pools()],
         [[layer.clone() for layer in pool.layers] for pool in mgr.pools()],
     )
 
@@ -195,10 +195,10 @@ def test_double_free_of_a_cache():
     cache = KVCache([LayerGroup(LifeCycle(None), pool)], 4, name="request 5")
     cache.resize(12)
     cache.free()
-    free = list(pool._free)
+    free = pool.free_order()
     with pytest.raises(ValueError, match=r"'request 5' was already freed"):
         cache.free()
-    assert list(pool._free) == free and pool.num_held == 0
+    assert pool.free_order() == free and pool.num_held == 0
 
 
 # -- dummies and requests ------------------------------------------------------------------------------------------

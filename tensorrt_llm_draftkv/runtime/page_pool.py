@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from .pool_journal import JournalEntry, PoolJournal
+from .pool_journal import PageSets, PoolJournal
 from .prefix_cache import PageKey, PrefixCache
 
 BAD_PAGE_INDEX = -1
@@ -21,7 +21,7 @@ PoolListener = Callable[[str, "list[int]", object], None]
 """`fn(event, pages, owner)`: pages are page indices of the pool; events are listed in `PagePool`."""
 
 
-class PagePool(PoolJournal):
+class PagePool:
     """`num_pages` pages of `tokens_per_block` token slots for every layer of a group.
 
     Storage per layer is `[pages, kv_factor, kv_heads, P, head_dim]`. With
@@ -55,8 +55,9 @@ class PagePool(PoolJournal):
 
     Without `block_reuse` only "allocate" and "release" ever happen, as before.
 
-    The journal a batch transaction rolls back (`begin_journal`, `end_journal`,
-    `rollback_journal`) comes from `PoolJournal` (runtime/pool_journal.py).
+    A batch transaction opens the pool's journal (`begin_journal`), then keeps
+    (`end_journal`) or undoes (`rollback_journal`) what changed; the pool owns one
+    `PoolJournal` component that logs the changes and knows their inverses.
     """
 
     def __init__(
@@ -90,18 +91,14 @@ class PagePool(PoolJournal):
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
         ]
         # Popped from the end: the lowest page first on a fresh pool, most recently freed next.
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
-        self._held: set[int] = set()
-        # Holders beyond the first, for shared pages only (refcount = 1 + this).
-        self._extra: dict[int, int] = {}
+        self._sets = PageSets(free=list(range(num_pages - 1, -1, -1)))
         self.prefix: PrefixCache | None = PrefixCache(reuse_salt) if block_reuse else None
         self._listeners: list[PoolListener] = []
         #: Pages handed out over the pool's life: fresh from the free list, and reused (a published
         #: page joined or revived by `share`). A journal rollback does not take them back.
         self.pages_handed_out = 0
         self.pages_reused = 0
-        # While a journal is open: (kind, page, owner, data) for every change, in order.
-        self._log: list[JournalEntry] | None = None
+        self._journal = PoolJournal()
 
     # -- listeners ----------------------------------------------------------------
     def add_listener(self, fn: PoolListener) -> None:
@@ -125,7 +122,7 @@ class PagePool(PoolJournal):
     @property
     def num_free(self) -> int:
         """Pages an allocation can get: plain free plus cached-free (evicted on demand)."""
-        return len(self._free) + (self.prefix.num_cached_free if self.prefix is not None else 0)
+        return len(self._sets.free) + (self.prefix.num_cached_free if self.prefix is not None else 0)
 
     @property
     def num_cached_free(self) -> int:
@@ -135,23 +132,27 @@ class PagePool(PoolJournal):
     @property
     def num_plain_free(self) -> int:
         """Free pages that hold nothing anyone can find."""
-        return len(self._free)
+        return len(self._sets.free)
 
     @property
     def num_held(self) -> int:
         """Distinct held pages (a shared page counts once)."""
-        return len(self._held)
+        return len(self._sets.held)
+
+    def held_pages(self) -> frozenset[int]:
+        """Every held page (a shared page once)."""
+        return frozenset(self._sets.held)
 
     def is_held(self, page: int) -> bool:
-        return page in self._held
+        return page in self._sets.held
 
     def refcount(self, page: int) -> int:
         """How many owners hold `page` (0 when free or cached-free)."""
-        return 1 + self._extra.get(page, 0) if page in self._held else 0
+        return 1 + self._sets.extra.get(page, 0) if page in self._sets.held else 0
 
     def is_shared(self, page: int) -> bool:
         """Held by more than one owner: readable by each, writable by none."""
-        return page in self._extra
+        return page in self._sets.extra
 
     def is_published(self, page: int) -> bool:
         """In the prefix table (held or cached-free): its K/V is final and must not be written."""
@@ -162,13 +163,13 @@ class PagePool(PoolJournal):
 
     def is_writable(self, page: int) -> bool:
         """Held by exactly one owner and not published: the only pages a writer may be handed."""
-        return page in self._held and page not in self._extra and not self.is_published(page)
+        return page in self._sets.held and page not in self._sets.extra and not self.is_published(page)
 
     def pages_returned_by(self, pages: list[int]) -> int:
         """How many of `pages` a `release` would make allocatable again (a shared page stays held)."""
-        if not self._extra:
+        if not self._sets.extra:
             return len(pages)
-        return sum(1 for p in pages if p not in self._extra)
+        return sum(1 for p in pages if p not in self._sets.extra)
 
     def allocate(self, count: int, *, owner: object | None = None) -> list[int]:
         """Hand out `count` pages, all or none; listeners hear "allocate" with `owner`.
@@ -181,18 +182,17 @@ class PagePool(PoolJournal):
         if count > self.num_free:
             raise OutOfPagesError(f"asked for {count} pages, {self.num_free} free of {self.total}")
         evicted: list[int] = []
-        while len(self._free) < count:
+        while len(self._sets.free) < count:
             assert self.prefix is not None  # num_free counted cached-free pages
             page = self.prefix.oldest()
             stamp = self.prefix.unpark(page)
             key = self.prefix.unpublish(page)
-            self._free.append(page)
-            self._record("evict", page, None, (key, stamp))
+            self._sets.free.append(page)
+            self._journal.record("evict", page, None, (key, stamp))
             evicted.append(page)
-        pages = [self._free.pop() for _ in range(count)]
-        self._held.update(pages)
-        if self._log is not None:
-            self._log.extend(("pop", p, owner, None) for p in pages)
+        pages = [self._sets.free.pop() for _ in range(count)]
+        self._sets.held.update(pages)
+        self._journal.record_many("pop", pages, owner)
         self.pages_handed_out += count
         self._emit("evict", evicted, None)
         self._emit("allocate", pages, owner)
@@ -217,14 +217,14 @@ class PagePool(PoolJournal):
         joined: list[int] = []
         revived: list[int] = []
         for page in pages:
-            if page in self._held:
-                self._extra[page] = self._extra.get(page, 0) + 1
-                self._record("share", page, owner)
+            if page in self._sets.held:
+                self._sets.extra[page] = self._sets.extra.get(page, 0) + 1
+                self._journal.record("share", page, owner)
                 joined.append(page)
             else:
                 stamp = self.prefix.unpark(page)
-                self._held.add(page)
-                self._record("revive", page, owner, stamp)
+                self._sets.held.add(page)
+                self._journal.record("revive", page, owner, stamp)
                 revived.append(page)
         self.pages_reused += len(pages)
         self._emit("share", joined, owner)
@@ -235,31 +235,40 @@ class PagePool(PoolJournal):
         or the key is already published (another request computed the same page first)."""
         if self.prefix is None:
             raise ValueError("publish needs a pool built with block_reuse=True")
-        if page not in self._held:
+        if page not in self._sets.held:
             raise ValueError(f"cannot publish page {page}: it is not held")
         if self.prefix.is_published(page) or self.prefix.has_link(key[0]):
             return False
         self.prefix.publish(page, key)
-        self._record("publish", page, owner)
+        self._journal.record("publish", page, owner)
         self._emit("publish", [page], owner)
         return True
 
+    # -- the journal (what a batch transaction rolls back) ----------------------------------
+    def begin_journal(self) -> None:
+        """Log every change from now on, so `rollback_journal` can undo them."""
+        self._journal.begin()
+
+    def end_journal(self) -> None:
+        """Keep the changes; stop logging."""
+        self._journal.end()
+
+    def rollback_journal(self) -> None:
+        """Undo every change since `begin_journal`, latest first: free-list order, holders,
+        prefix table and LRU order are as they were. Listeners hear the inverse events (an
+        allocation undone is a "release", a share an "unshare", ...) with the owners named."""
+        for event, owner, pages in self._journal.undo(self._sets, self.prefix):
+            self._emit(event, pages, owner)
+
     def free_order(self) -> list[int]:
         """The plain free list in allocation order (last is handed out first)."""
-        return list(self._free)
+        return list(self._sets.free)
 
     def state(self) -> tuple:
         """Everything that defines the pool's bookkeeping, comparable: free list, held pages,
         extra holders, prefix table and LRU order."""
         table = self.prefix.state() if self.prefix is not None else ()
-        return (tuple(self._free), frozenset(self._held), tuple(sorted(self._extra.items())), table)
-
-    def _drop_extra(self, page: int) -> None:
-        left = self._extra[page] - 1
-        if left:
-            self._extra[page] = left
-        else:
-            del self._extra[page]
+        return (tuple(self._sets.free), frozenset(self._sets.held), tuple(sorted(self._sets.extra.items())), table)
 
     def take(self, pages: list[int], *, owner: object | None = None) -> None:
         """Claim these particular free pages, all or none (used to undo a release).
@@ -268,22 +277,22 @@ class PagePool(PoolJournal):
         cached-free page is revived (it stays published). Not while a journal is
         open (it takes pages from the middle of the free list).
         """
-        if self._log is not None:
+        if self._journal.is_open:
             raise ValueError("take cannot run while this pool's journal is open")
-        busy = [p for p in pages if p in self._held]
+        busy = [p for p in pages if p in self._sets.held]
         if busy or len(set(pages)) != len(pages):
             raise ValueError(f"cannot take pages that are held (or repeated): {sorted(set(busy)) or pages}")
         cached = {p for p in pages if self.is_cached_free(p)}
-        missing = set(pages) - set(self._free) - cached
+        missing = set(pages) - set(self._sets.free) - cached
         if missing:
             raise ValueError(f"pages {sorted(missing)} are not pages of this pool's free list")
         wanted = set(pages) - cached
         if wanted:
-            self._free = [p for p in self._free if p not in wanted]
+            self._sets.free[:] = [p for p in self._sets.free if p not in wanted]
         for page in cached:
             assert self.prefix is not None
             self.prefix.unpark(page)
-        self._held.update(pages)
+        self._sets.held.update(pages)
         self._emit("allocate", pages, owner)
 
     def release(self, pages: list[int], *, owner: object | None = None) -> None:
@@ -295,31 +304,30 @@ class PagePool(PoolJournal):
         reverse, so the first listed (a request's lowest ordinal, which every
         longer prefix needs) is evicted last.
         """
-        bad = [p for p in pages if p not in self._held]
+        bad = [p for p in pages if p not in self._sets.held]
         if bad or len(set(pages)) != len(pages):
             raise ValueError(f"release of pages not held (or repeated): {sorted(set(bad)) or pages}")
         if self.prefix is None:
             for page in pages:
-                self._held.remove(page)
-                self._free.append(page)
-            if self._log is not None:
-                self._log.extend(("push", p, owner, None) for p in pages)
+                self._sets.held.remove(page)
+                self._sets.free.append(page)
+            self._journal.record_many("push", pages, owner)
             self._emit("release", pages, owner)
             return
-        left = [p for p in pages if p in self._extra]
+        left = [p for p in pages if p in self._sets.extra]
         for page in left:
-            self._drop_extra(page)
-            self._record("unshare", page, owner)
+            self._sets.drop_extra(page)
+            self._journal.record("unshare", page, owner)
         shared = set(left)
         gone = [p for p in pages if p not in shared]
         for page in reversed(gone):
-            self._held.remove(page)
+            self._sets.held.remove(page)
             if self.prefix.is_published(page):
                 self.prefix.park(page)
-                self._record("park", page, owner)
+                self._journal.record("park", page, owner)
             else:
-                self._free.append(page)
-                self._record("push", page, owner)
+                self._sets.free.append(page)
+                self._journal.record("push", page, owner)
         self._emit("unshare", left, owner)
         self._emit("release", gone, owner)
 
@@ -329,24 +337,24 @@ class PagePool(PoolJournal):
         With block reuse also: only held pages have extra holders, every
         cached-free page is published, and no plain free page is.
         """
-        free = set(self._free)
-        cached = set(self.prefix._stamp) if self.prefix is not None else set()
+        free = set(self._sets.free)
+        cached = self.prefix.cached_free_pages() if self.prefix is not None else set()
         if (
-            len(free) != len(self._free)
-            or free & self._held
-            or cached & (free | self._held)
-            or len(free) + len(cached) + len(self._held) != self.total
+            len(free) != len(self._sets.free)
+            or free & self._sets.held
+            or cached & (free | self._sets.held)
+            or len(free) + len(cached) + len(self._sets.held) != self.total
         ):
             raise AssertionError(
-                f"pool accounting broken: held={len(self._held)} cached-free={len(cached)} free={len(self._free)} "
+                f"pool accounting broken: held={len(self._sets.held)} cached-free={len(cached)} free={len(self._sets.free)} "
                 f"total={self.total}"
             )
-        stray = set(self._extra) - self._held
-        if stray or any(n < 1 for n in self._extra.values()):
+        stray = set(self._sets.extra) - self._sets.held
+        if stray or any(n < 1 for n in self._sets.extra.values()):
             raise AssertionError(f"pool accounting broken: extra holders on pages not held: {sorted(stray)}")
         if self.prefix is not None:
-            published = set(self.prefix._key_of)
-            if published & free or not cached <= published or len(self.prefix._page_of) != len(published):
+            published = self.prefix.published_pages()
+            if published & free or not cached <= published or not self.prefix.links_match():
                 raise AssertionError(
                     f"pool accounting broken: published pages on the free list {sorted(published & free)}, "
                     f"cached-free pages not published {sorted(cached - published)}"

@@ -165,6 +165,16 @@ class PrefixCache:
     def is_published(self, page: int) -> bool:
         return page in self._key_of
 
+    def published_pages(self) -> set[int]:
+        """Every published page, held or cached-free (a copy)."""
+        return set(self._key_of)
+
+    def links_match(self) -> bool:
+        """Does every published page have exactly one link, and every link one page?"""
+        return len(self._page_of) == len(self._key_of) and all(
+            self._page_of.get(key[0]) == page for page, key in self._key_of.items()
+        )
+
     @property
     def num_published(self) -> int:
         return len(self._key_of)
@@ -187,6 +197,10 @@ class PrefixCache:
 
     def is_cached_free(self, page: int) -> bool:
         return page in self._stamp
+
+    def cached_free_pages(self) -> set[int]:
+        """Every cached-free page (a copy)."""
+        return set(self._stamp)
 
     def park(self, page: int, stamp: int | None = None) -> int:
         """Make a published page cached-free, newest (or at `stamp`, to undo an unpark); returns its stamp."""

@@ -20,7 +20,7 @@ from tensorrt_llm_draftkv import (
 
 def _state(mgr: KVCacheManagerV2):
     caches = {rid: mgr.get_cache(rid).checkpoint() for rid in mgr.request_ids()}
-    pools = [(sorted(p._free), sorted(p._held)) for p in mgr.pools()]
+    pools = [(sorted(p.free_order()), sorted(p.held_pages())) for p in mgr.pools()]
     return caches, pools
 
 

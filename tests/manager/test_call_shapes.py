@@ -74,7 +74,7 @@ def state(mgr) -> tuple:
     return (
         {rid: mgr.get_cache(rid).checkpoint() for rid in mgr.request_ids()},
         [pool.free_order() for pool in mgr.pools()],
-        [frozenset(pool._held) for pool in mgr.pools()],
+        [pool.held_pages() for pool in mgr.pools()],
     )
 
 

@@ -55,7 +55,7 @@ def state(mgr) -> tuple:
     return (
         {rid: mgr.get_cache(rid).checkpoint() for rid in mgr.request_ids()},
         mgr.free_pages(),
-        tuple(sorted(g.pool._free) for g in mgr.layer_groups),
+        tuple(sorted(g.pool.free_order()) for g in mgr.layer_groups),
     )
 
 

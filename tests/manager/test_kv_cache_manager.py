@@ -65,7 +65,7 @@ def state(mgr):
     return (
         {rid: mgr.get_cache(rid).checkpoint() for rid in mgr.request_ids()},
         # free pages as a set: a rollback returns the same pages, not necessarily in the same order
-        [(sorted(pool._free), frozenset(pool._held)) for pool in mgr.pools()],
+        [(sorted(pool.free_order()), pool.held_pages()) for pool in mgr.pools()],
     )
 
 

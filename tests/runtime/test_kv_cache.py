@@ -56,7 +56,7 @@ def check_rows(cache: KVCache, specs, p=P):
 
 
 def pools_state(groups):
-    return [(list(g.pool._free), set(g.pool._held)) for g in groups]
+    return [(g.pool.free_order(), g.pool.held_pages()) for g in groups]
 
 
 def test_bad_page_index_is_minus_one():
@@ -155,7 +155,7 @@ def test_raising_history_releases_stale_pages_to_the_pool():
     assert row[2:] == row0[2:]
     for page in row0[:2]:
         assert not groups[0].pool.is_held(page)
-        assert page in groups[0].pool._free
+        assert page in groups[0].pool.free_order()
     assert groups[0].pool.num_free == 20 - 4
     # the full-attention group released nothing
     assert cache.num_held_pages(1) == 6
@@ -353,9 +353,9 @@ def test_groups_sharing_one_pool_are_all_or_nothing():
     specs = [(None, 0, 4), (1, 0, 4)]
     groups = [LayerGroup(LifeCycle(None), pool), LayerGroup(LifeCycle(1), pool)]
     cache = KVCache(groups, P)
-    before, free = cache.checkpoint(), list(pool._free)
+    before, free = cache.checkpoint(), pool.free_order()
     assert cache.resize(12) is False  # 3 + 3 pages from a pool of 4
-    assert cache.checkpoint() == before and list(pool._free) == free
+    assert cache.checkpoint() == before and pool.free_order() == free
     assert cache.resize(8)  # 2 + 2: the pool is empty now
     assert pool.num_free == 0
     # W=1, h=11: the windowed group gives back blocks 0 and 1 and needs block 2;
@@ -365,9 +365,9 @@ def test_groups_sharing_one_pool_are_all_or_nothing():
     assert pool.num_free == 0 and cache.num_held_pages(0) == 3 and cache.num_held_pages(1) == 1
     held = cache.held_pages(0) + cache.held_pages(1)
     assert sorted(held) == [0, 1, 2, 3]
-    before, free = cache.checkpoint(), list(pool._free)
+    before, free = cache.checkpoint(), pool.free_order()
     assert cache.resize(16, 12) is False  # full +1, windowed +1 -1 (block 2 -> 3): one short
-    assert cache.checkpoint() == before and list(pool._free) == free
+    assert cache.checkpoint() == before and pool.free_order() == free
     pool.check_accounting()
 
 

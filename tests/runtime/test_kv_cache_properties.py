@@ -48,7 +48,7 @@ def brute_backed(capacity: int, history: int, window, sinks: int, p: int = P) ->
 
 def whole_state(mgr: KVCacheManagerV2):
     caches = {rid: mgr.get_cache(rid).checkpoint() for rid in mgr.request_ids()}
-    pools = [(list(pool._free), frozenset(pool._held)) for pool in mgr.pools()]
+    pools = [(pool.free_order(), pool.held_pages()) for pool in mgr.pools()]
     return caches, pools
 
 

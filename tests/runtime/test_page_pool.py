@@ -8,7 +8,7 @@ from tensorrt_llm_draftkv.runtime import OutOfPagesError, PagePool
 
 
 def pool_state(pool: PagePool):
-    return (list(pool._free), set(pool._held))
+    return (pool.free_order(), pool.held_pages())
 
 
 def test_storage_is_real_and_shaped_per_layer():
@@ -100,7 +100,7 @@ def test_guard_page_never_handed_out_and_not_counted():
         pool.allocate(1)
     pool.release(pages)
     pool.check_accounting()
-    assert pool.guard_page_index not in pool._free
+    assert pool.guard_page_index not in pool.free_order()
     with pytest.raises(ValueError):
         pool.release([pool.guard_page_index])
 
@@ -114,7 +114,7 @@ def test_no_guard_page_by_default():
 def test_check_accounting_detects_corruption():
     pool = PagePool(4, tokens_per_block=2)
     pages = pool.allocate(2)
-    pool._free.append(pages[0])  # a page both held and free
+    pool._sets.free.append(pages[0])  # corrupt on purpose: a page both held and free
     with pytest.raises(AssertionError, match="held=2"):
         pool.check_accounting()
 

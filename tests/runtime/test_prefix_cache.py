@@ -264,8 +264,8 @@ def test_check_accounting_catches_a_published_page_on_the_free_list():
     pool = reuse_pool(pages=2)
     a, _ = pool.allocate(2, owner=1)
     pool.publish(a, key(0))
-    pool._held.discard(a)
-    pool._free.append(a)
+    pool._sets.held.discard(a)  # corrupt on purpose: no public path can
+    pool._sets.free.append(a)
     with pytest.raises(AssertionError, match="published pages on the free list"):
         pool.check_accounting()
 

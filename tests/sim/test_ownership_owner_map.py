@@ -286,7 +286,7 @@ def test_a_pool_that_hands_out_a_held_page_again_is_an_accounting_error(monkeypa
     _prefill(dm, [1], 1)
     pool = dm.layer_groups[1].pool
     victim = dm.get_cache(1).held_pages(1)[0]
-    monkeypatch.setattr(pool, "_free", pool._free + [victim])  # popped next: the bug
+    monkeypatch.setattr(pool._sets, "free", pool.free_order() + [victim])  # popped next: the bug
     assert chk.check_accounting() == 1  # the pool's free list now disagrees with the map
     _prefill(dm, [2], 1)
     assert victim in dm.get_cache(2).held_pages(1)  # both rows now hold it
@@ -320,7 +320,7 @@ def test_debug_mode_raises_at_the_next_check_not_inside_the_pool(monkeypatch):
     chk = OwnershipChecker(dm, raise_on_violation=True)
     _prefill(dm, [1], 1)
     pool = dm.layer_groups[1].pool
-    monkeypatch.setattr(pool, "_free", pool._free + [dm.get_cache(1).held_pages(1)[0]])
+    monkeypatch.setattr(pool._sets, "free", pool.free_order() + [dm.get_cache(1).held_pages(1)[0]])
     _prefill(dm, [2], 1)  # the resize completes: the cache is consistent with its pool
     assert dm.has_cache(2) and dm.get_cache(2).capacity > 0
     with pytest.raises(OwnershipViolation, match="held twice"):

@@ -46,7 +46,7 @@ Mode = SpeculativeDecodingMode
 
 def full_state(mgr: KVCacheManagerV2):
     caches = {rid: mgr.get_cache(rid).checkpoint() for rid in mgr.request_ids()}
-    return caches, [(sorted(p._free), sorted(p._held)) for p in mgr.pools()]
+    return caches, [(sorted(p.free_order()), sorted(p.held_pages())) for p in mgr.pools()]
 
 
 # ============================================================================ (1) transfer

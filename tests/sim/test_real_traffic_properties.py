@@ -36,7 +36,7 @@ def everything(loop: DraftLoop):
     dm, meta, chk = loop.dm, loop.meta, loop.checker
     return (
         {rid: dm.get_cache(rid).checkpoint() for rid in dm.request_ids()},
-        [(list(p._free), sorted(p._held)) for p in dm.pools()],
+        [(p.free_order(), sorted(p.held_pages())) for p in dm.pools()],
         [layer.clone() for p in dm.pools() for layer in p.layers],
         meta.slots.live_requests(),
         meta.slots.free_slots,
