@@ -7,35 +7,13 @@ pool, with BAD_PAGE_INDEX where nothing backs the ordinal.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
-from .life_cycle import LifeCycle
-from .page_pool import BAD_PAGE_INDEX, PagePool
-from .cache_prefix import CachePrefixReuse
+from .layer_group import LayerGroup
+from .page_pool import BAD_PAGE_INDEX
 from .prefix_cache import PageKey
-
-
-@dataclass(frozen=True)
-class LayerGroup:
-    """A life cycle and the pool whose pages back it."""
-
-    life_cycle: LifeCycle
-    pool: PagePool
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-class _GroupPlan(NamedTuple):
-    """What one resize does to one group's row (ordinals are block ordinals)."""
-
-    release: list[int]  # pages given back
-    clear: list[int]  # ordinals that lose their page (stay inside the row)
-    allocate: list[int]  # ordinals that get a fresh page
-    new_len: int  # the row's length afterwards (ceil(capacity / P))
-    settled: int  # ordinals below this never change again
+from .prefix_keys import PrefixKeys, adoption_settled
+from .resize_plan import GroupPlan, ceil_div, plan_group_resize
 
 
 class _Undo(NamedTuple):
@@ -47,11 +25,12 @@ class _Undo(NamedTuple):
     rows: list[tuple[int, list[tuple[int, int]]]]  # per group: (old length, old entries)
 
 
-class KVCache(CachePrefixReuse):
+class KVCache:
     """capacity / history / committed with real pages, resized all-or-nothing.
 
-    Block reuse (the prefix keys, publishing, adopting a cached prefix) is the
-    `CachePrefixReuse` part (`cache_prefix.py`).
+    With block reuse, `keys` (a `PrefixKeys`) holds the page keys of each group;
+    `commit` publishes full pages under them and `adopt_prefix` starts a fresh
+    cache on pages others published.
     """
 
     def __init__(
@@ -77,8 +56,8 @@ class KVCache(CachePrefixReuse):
         # so a resize only walks the rest of the row.
         self._settled: list[int] = [0 for _ in groups]
         self._held: list[int] = [0 for _ in groups]  # backed entries per row, kept by every change
-        # Block reuse: per group, the keys of ordinals [0, len) (computed once, extended by commit).
-        self._keys: list[list[PageKey]] = [[] for _ in groups]
+        #: Block reuse: each group's page-key chain (computed once, extended by commit).
+        self.keys = PrefixKeys(groups, tokens_per_block)
         self._journal: list[_Undo] | None = None
         self.closed = False
         #: Bumped by every change of a row: a consumer's derived copy of the rows
@@ -92,11 +71,23 @@ class KVCache(CachePrefixReuse):
     @property
     def num_blocks(self) -> int:
         """Logical blocks covering `capacity` tokens (backed or not)."""
-        return _ceil_div(self.capacity, self.tokens_per_block)
+        return ceil_div(self.capacity, self.tokens_per_block)
 
     def block_row(self, group: int) -> list[int]:
         """Ordinal -> page for one layer group, BAD_PAGE_INDEX where unbacked (a copy)."""
         return list(self._rows[group])
+
+    def row_length(self, group: int) -> int:
+        """Block ordinals one group's row spans (backed or not): `ceil(capacity / P)` after a resize."""
+        return len(self._rows[group])
+
+    def backed_extent(self, group: int) -> int:
+        """1 + the last backed block ordinal of one group's row (0 when none is backed)."""
+        row = self._rows[group]
+        for i in range(len(row) - 1, -1, -1):  # rows almost always end backed: O(1)
+            if row[i] != BAD_PAGE_INDEX:
+                return i + 1
+        return 0
 
     def block_row_slice(self, group: int, lo: int, hi: int) -> list[int]:
         """Pages of ordinals [lo, hi) (BAD_PAGE_INDEX where unbacked or past the row)."""
@@ -105,7 +96,7 @@ class KVCache(CachePrefixReuse):
 
     def settled_blocks(self, group: int) -> int:
         """Block ordinals below this keep their entry in every later state of the row (a
-        rollback or restore may lower it again: it describes the state the cache is in now)."""
+        rollback may lower it again: it describes the state the cache is in now)."""
         return self._settled[group]
 
     def held_pages(self, group: int) -> list[int]:
@@ -150,7 +141,7 @@ class KVCache(CachePrefixReuse):
         """True when no row changes: same block count everywhere and no window releases
         a block above its settled mark. Most generation steps move inside one page."""
         P = self.tokens_per_block
-        num_blocks = _ceil_div(capacity, P)
+        num_blocks = ceil_div(capacity, P)
         for g, row in enumerate(self._rows):
             if len(row) != num_blocks:
                 return False
@@ -174,7 +165,7 @@ class KVCache(CachePrefixReuse):
         self.capacity = capacity
         self.history_length = history
 
-    def _apply(self, g: int, plan: _GroupPlan, pages: list[int]) -> tuple[int, list[tuple[int, int]]]:
+    def _apply(self, g: int, plan: GroupPlan, pages: list[int]) -> tuple[int, list[tuple[int, int]]]:
         """Edit the row in place (only the ordinals that change); return what undoes it."""
         row = self._rows[g]
         old_len = len(row)
@@ -216,6 +207,13 @@ class KVCache(CachePrefixReuse):
         new_capacity, new_history = self._validated(capacity, history_length)
         return self._fits([self._plan_group(g, new_capacity, new_history) for g in range(len(self.groups))])
 
+    def page_demand(self, capacity: int | None, history_length: int | None = None) -> list[int]:
+        """Pages per layer group a `resize(capacity, history_length)` would take from its pool, net of
+        the pages it gives back (negative: it returns more). Changes nothing; raises as resize would."""
+        new_capacity, new_history = self._validated(capacity, history_length)
+        plans = [self._plan_group(g, new_capacity, new_history) for g in range(len(self.groups))]
+        return [len(p.allocate) - self.groups[g].pool.pages_returned_by(p.release) for g, p in enumerate(plans)]
+
     def _fits(self, plans) -> bool:
         # Summed per pool: layer groups that share one pool draw on one free list.
         balance: dict[int, int] = {}
@@ -225,41 +223,10 @@ class KVCache(CachePrefixReuse):
             balance[id(pool)] = balance.get(id(pool), pool.num_free) + returned - len(plan.allocate)
         return all(left >= 0 for left in balance.values())
 
-    def _plan_group(self, g: int, capacity: int, history: int) -> _GroupPlan:
-        """What a resize to (capacity, history) does to group g, walking only ordinals that can change."""
-        old = self._rows[g]
-        P = self.tokens_per_block
-        num_blocks = _ceil_div(capacity, P)
-        life_cycle = self.groups[g].life_cycle
-        lo, hi = life_cycle.stale_range(history, P)
-        # Stale ranges only grow with history and capacity never drops below
-        # history, so everything below the previous settled mark is final.
-        start = min(self._settled[g], len(old), num_blocks)
-        release: list[int] = []
-        clear: list[int] = []
-        allocate: list[int] = []
-        # Every ordinal in [settled, len) outside the stale range is backed (each resize
-        # leaves it so), and stale ranges only grow. So only three spans can change: the
-        # newly stale ordinals [start, hi), the growth [len, num_blocks) and the shrink
-        # [num_blocks, len): O(blocks that change), not O(row).
-        kept = min(len(old), num_blocks)
-        walk = [range(start, min(max(hi, start), kept)), range(kept, max(num_blocks, len(old)))]
-        for ordinal in (o for span in walk for o in span):
-            page = old[ordinal] if ordinal < len(old) else BAD_PAGE_INDEX
-            keep = ordinal < num_blocks and not (lo <= ordinal < hi)
-            if not keep:
-                if page != BAD_PAGE_INDEX:
-                    release.append(page)
-                    if ordinal < num_blocks:
-                        clear.append(ordinal)
-            elif page == BAD_PAGE_INDEX:
-                allocate.append(ordinal)
-        if life_cycle.window is None:
-            # Full attention never releases: every block wholly below history is final.
-            settled = max(start, min(history // P, num_blocks))
-        else:
-            settled = max(hi, start) if hi > lo else start
-        return _GroupPlan(release, clear, allocate, num_blocks, settled)
+    def _plan_group(self, g: int, capacity: int, history: int) -> GroupPlan:
+        return plan_group_resize(
+            self._rows[g], self._settled[g], self.groups[g].life_cycle, self.tokens_per_block, capacity, history
+        )
 
     def commit(
         self, tokens: int, token_ids: Sequence[int] | None = None, *, first_ordinals: Sequence[int] | None = None
@@ -295,6 +262,60 @@ class KVCache(CachePrefixReuse):
             self._publish(tokens, token_ids, first_ordinals)
         self.committed = tokens
 
+    def _publish(self, tokens: int, token_ids: Sequence[int], first_ordinals: Sequence[int] | None) -> None:
+        """Publish every backed full page of ordinals `[committed // P, tokens // P)` (from
+        `first_ordinals[g]` at least) in each group whose pool has block reuse."""
+        P = self.tokens_per_block
+        end = tokens // P
+        for g, group in enumerate(self.groups):
+            pool = group.pool
+            if not pool.block_reuse:
+                continue
+            keys = self.keys.extend(g, token_ids, end)
+            row = self._rows[g]
+            first = self.committed // P if first_ordinals is None else max(self.committed // P, first_ordinals[g])
+            for ordinal in range(first, min(end, len(row))):
+                page = row[ordinal]
+                if page != BAD_PAGE_INDEX and not pool.is_published(page):
+                    pool.publish(page, keys[ordinal], owner=self.owner)
+
+    def adopt_prefix(
+        self,
+        tokens: int,
+        rows: Sequence[Sequence[int]],
+        keys: Sequence[Sequence[PageKey]],
+        *,
+        stale_at: int | None = None,
+    ) -> None:
+        """Start this fresh cache at `tokens` tokens of history held on published pages.
+
+        `tokens` is a whole number of pages `n * P`. `rows[g]` has `n` entries, by
+        block ordinal: the published page for each ordinal group g still reads at
+        history `tokens` (every ordinal outside the life cycle's stale range, sinks
+        included), `BAD_PAGE_INDEX` for the stale ones. `keys[g]` holds at least the
+        `n` keys of the group's chain; each page must be the one published under its
+        key. Every page gains this cache's owner as a holder (`PagePool.share`).
+        Afterwards capacity = history = committed = `tokens`. ValueError, changing
+        nothing, on a cache that is not fresh or rows that break any of this.
+
+        `stale_at` (>= `tokens`; a generation worker's init: the prompt end `m`):
+        the stale range is taken at that history instead, so a window's rows need
+        only the ordinals it still reads there. The caller's next resize must raise
+        history to `stale_at` (ordinals stale there stay unbacked and settled).
+        """
+        if self.closed or self.capacity or self.history_length or any(self._rows):
+            raise ValueError(f"cache {self.name!r}: a prefix can only be adopted by a fresh cache")
+        at = tokens if stale_at is None else stale_at
+        settled = adoption_settled(self.name, self.groups, self.tokens_per_block, tokens, rows, keys, at)
+        n = tokens // self.tokens_per_block
+        for g, group in enumerate(self.groups):
+            group.pool.share([p for p in rows[g] if p != BAD_PAGE_INDEX], owner=self.owner)
+            self._rows[g] = list(rows[g])
+            self._held[g] = sum(1 for p in rows[g] if p != BAD_PAGE_INDEX)
+            self.keys.adopt(g, keys[g][:n])
+        self._settled = settled
+        self.capacity = self.history_length = self.committed = tokens
+
     def free(self) -> None:
         """Return every page; the cache cannot be used afterwards."""
         if self.closed:
@@ -304,7 +325,7 @@ class KVCache(CachePrefixReuse):
             self._rows[g] = []
             self._settled[g] = 0
             self._held[g] = 0
-            self._keys[g] = []
+        self.keys.forget_from(0)
         self.capacity = self.history_length = self.committed = 0
         self._journal = None
         self.closed = True
@@ -312,8 +333,8 @@ class KVCache(CachePrefixReuse):
         self.export_memo = {}
 
     def checkpoint(self) -> tuple:
-        """Everything that defines this cache, immutable: what `restore` returns to, and what
-        a test compares for bit-identity."""
+        """Everything that defines this cache, immutable: what a test compares for bit-identity
+        (after a rollback, say)."""
         return (
             self.capacity,
             self.history_length,
@@ -321,25 +342,6 @@ class KVCache(CachePrefixReuse):
             tuple(tuple(r) for r in self._rows),
             tuple(self._settled),
         )
-
-    def restore(self, state: tuple) -> None:
-        """Return to a checkpoint: give back pages gained since, take back pages released since.
-
-        Undo in the reverse order of the changes (latest resize first), so the
-        pages released since the checkpoint are still free to take back.
-        """
-        capacity, history, committed, rows, settled = state
-        for g, (now, then) in enumerate(zip(self._rows, rows)):
-            held_now = {p for p in now if p != BAD_PAGE_INDEX}
-            held_then = {p for p in then if p != BAD_PAGE_INDEX}
-            self.groups[g].pool.release(sorted(held_now - held_then), owner=self.owner)
-            self.groups[g].pool.take(sorted(held_then - held_now), owner=self.owner)
-        self._rows = [list(r) for r in rows]
-        self._settled = list(settled)
-        self._held = [sum(1 for p in r if p != BAD_PAGE_INDEX) for r in self._rows]
-        self.capacity, self.history_length, self.committed = capacity, history, committed
-        self.version += 1
-        self.export_memo = {}  # the settled marks went back: derived rows start over
 
     # -- the undo journal (what a batch transaction rolls back) ----------------------------
     def begin_journal(self) -> None:
@@ -372,6 +374,5 @@ class KVCache(CachePrefixReuse):
             self.capacity, self.history_length, self.committed = undo.scalars
             self._settled = list(undo.settled)
             self._held = list(undo.held)
-        for keys in self._keys:  # keys past what is committed are recomputed when needed
-            del keys[self.committed // self.tokens_per_block :]
+        self.keys.forget_from(self.committed // self.tokens_per_block)  # recomputed when needed
 

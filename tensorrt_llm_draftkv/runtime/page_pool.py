@@ -29,8 +29,8 @@ class PagePool:
     handed out and is not counted in `total`, so unbacked entries can point at it
     instead of at a page some request owns.
 
-    Listeners (`add_listener`) hear every successful `allocate` and `take`
-    (event "allocate") and `release` (event "release") of at least one page,
+    Listeners (`add_listener`) hear every successful `allocate` (event
+    "allocate") and `release` (event "release") of at least one page,
     after the pool changed, with the pages and the `owner` the caller named
     (None if it named none).
 
@@ -102,7 +102,7 @@ class PagePool:
 
     # -- listeners ----------------------------------------------------------------
     def add_listener(self, fn: PoolListener) -> None:
-        """Call `fn(event, pages, owner)` after every successful allocate/take/release."""
+        """Call `fn(event, pages, owner)` after every change of the pool (events as in the class docstring)."""
         self._listeners.append(fn)
 
     def remove_listener(self, fn: PoolListener) -> None:
@@ -269,31 +269,6 @@ class PagePool:
         extra holders, prefix table and LRU order."""
         table = self.prefix.state() if self.prefix is not None else ()
         return (tuple(self._sets.free), frozenset(self._sets.held), tuple(sorted(self._sets.extra.items())), table)
-
-    def take(self, pages: list[int], *, owner: object | None = None) -> None:
-        """Claim these particular free pages, all or none (used to undo a release).
-
-        Listeners hear "allocate" with `owner`: the pages are held again. A
-        cached-free page is revived (it stays published). Not while a journal is
-        open (it takes pages from the middle of the free list).
-        """
-        if self._journal.is_open:
-            raise ValueError("take cannot run while this pool's journal is open")
-        busy = [p for p in pages if p in self._sets.held]
-        if busy or len(set(pages)) != len(pages):
-            raise ValueError(f"cannot take pages that are held (or repeated): {sorted(set(busy)) or pages}")
-        cached = {p for p in pages if self.is_cached_free(p)}
-        missing = set(pages) - set(self._sets.free) - cached
-        if missing:
-            raise ValueError(f"pages {sorted(missing)} are not pages of this pool's free list")
-        wanted = set(pages) - cached
-        if wanted:
-            self._sets.free[:] = [p for p in self._sets.free if p not in wanted]
-        for page in cached:
-            assert self.prefix is not None
-            self.prefix.unpark(page)
-        self._sets.held.update(pages)
-        self._emit("allocate", pages, owner)
 
     def release(self, pages: list[int], *, owner: object | None = None) -> None:
         """`owner` gives these pages up; every one must be held (no double free).

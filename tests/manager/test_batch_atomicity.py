@@ -1,4 +1,4 @@
-"""prepare_resources is all or nothing over a batch, and KVCache.restore undoes resizes exactly."""
+"""prepare_resources is all or nothing over a batch, and the cache and pool journals undo resizes exactly."""
 from __future__ import annotations
 
 import random
@@ -59,7 +59,7 @@ def test_a_failing_request_puts_the_whole_batch_back(manager):
     assert all(mgr.get_cache(r.py_request_id).capacity == 96 for r in running)
 
 
-def test_restore_undoes_random_resize_sequences_in_reverse_order():
+def test_journals_undo_random_resize_sequences_over_several_caches():
     rng = random.Random(7)
     for _ in range(60):
         mgr = KVCacheManagerV2.from_pool_config(_config((48, 48)))
@@ -69,26 +69,15 @@ def test_restore_undoes_random_resize_sequences_in_reverse_order():
             mgr.prepare_resources(ScheduledRequests(context_requests=[req]))
             caches.append(mgr.get_cache(rid))
         before = _state(mgr)
-        done = []
+        for journaled in caches + mgr.pools():
+            journaled.begin_journal()
+        resized = 0
         for _ in range(rng.randint(1, 8)):
             cache = rng.choice(caches)
             history = cache.history_length + rng.randint(0, 30)
-            state = cache.checkpoint()
-            if cache.resize(history + rng.randint(0, 40), history):
-                done.append((cache, state))
-        for cache, state in reversed(done):
-            cache.restore(state)
+            resized += cache.resize(history + rng.randint(0, 40), history)
+        assert resized == 0 or _state(mgr) != before  # the journals have something to undo
+        for journaled in caches + mgr.pools():
+            journaled.rollback_journal()
         assert _state(mgr) == before
         mgr.check_accounting()
-
-
-def test_take_refuses_held_or_foreign_pages():
-    mgr = KVCacheManagerV2.from_pool_config(_config((8, 8)))
-    pool = mgr.pools()[0]
-    pool.allocate(2)
-    with pytest.raises(ValueError, match="held"):
-        pool.take([0])
-    with pytest.raises(ValueError, match=r"\[99\]"):
-        pool.take([99])
-    pool.take([5])
-    assert pool.is_held(5) and pool.num_free == 5

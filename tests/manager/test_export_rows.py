@@ -1,7 +1,7 @@
 """The block-offset export keeps numpy copies of each row and converts only what changed.
 
 These tests drive caches through growth, window releases, shrinks, rolled-back
-journals and restored checkpoints, and after every change compare the export
+journals and frees, and after every change compare the export
 (full width, the live width, and the page tables taken straight from the rows)
 with a brute-force conversion of `block_row`. A memo that missed a change
 would export a page the row no longer holds.
@@ -83,7 +83,7 @@ def _grow(mgr: KVCacheManagerV2, rid: int, capacity: int, history: int) -> None:
     kv_factor=st.sampled_from([1, 2]),
     ops=st.lists(
         st.tuples(
-            st.sampled_from(["grow", "shrink", "rollback", "restore", "free", "add"]),
+            st.sampled_from(["grow", "shrink", "rollback", "free", "add"]),
             st.integers(0, 3),
             st.integers(0, 120),
             st.integers(0, 120),
@@ -128,13 +128,6 @@ def test_export_follows_every_change_of_the_rows(window, guard, kv_factor, ops):
             for pool in mgr.pools():
                 pool.rollback_journal()
                 pool.end_journal()
-        elif op == "restore":
-            # A checkpoint is only valid while nobody else takes the pages it gives back.
-            mgr.get_block_offsets(ids, "cpp")
-            state = cache.checkpoint()
-            _grow(mgr, rid, cache.capacity + a, cache.history_length + b)
-            mgr.get_block_offsets(ids, "cpp")
-            cache.restore(state)
         elif op == "free":
             mgr.free_resources(rid)
         else:

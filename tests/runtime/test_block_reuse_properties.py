@@ -100,7 +100,7 @@ def check(mgr: KVCacheManagerV2, live: dict[int, LlmRequest], charge: list[int] 
                 if published:
                     last = max(o for o, _ in published)
                     assert (last + 1) * p <= len(req.tokens)
-                    own = cache.prefix_keys(g, req.tokens, last + 1)
+                    own = cache.keys.chain(g, req.tokens, last + 1)
                     assert all(pool.prefix.key_of(pg) == own[o] for o, pg in published), (rid, g)
             if charge is not None:
                 assert cache.num_held_pages(g) <= charge[g], (rid, g, cache.num_held_pages(g), charge)

@@ -250,16 +250,6 @@ def test_rollback_undoes_evictions_shares_parks_and_publishes_exactly():
     assert replay == count
 
 
-def test_take_revives_a_cached_free_page():
-    pool = reuse_pool(pages=2)
-    a, b = pool.allocate(2, owner=1)
-    pool.publish(a, key(0))
-    pool.release([a, b], owner=1)
-    pool.take([a, b], owner=1)
-    assert pool.is_held(a) and pool.is_published(a) and pool.num_cached_free == 0
-    accounting(pool)
-
-
 def test_check_accounting_catches_a_published_page_on_the_free_list():
     pool = reuse_pool(pages=2)
     a, _ = pool.allocate(2, owner=1)
@@ -315,7 +305,7 @@ def test_adopt_shares_the_published_pages_and_rejects_bad_rows_unchanged():
         first.resize(h + 8, h)
         first.commit(h, tokens)
     second = KVCache(groups, P, owner=2)
-    keys = [second.prefix_keys(0, tokens, 6)]
+    keys = [second.keys.chain(0, tokens, 6)]
     lo, hi = groups[0].life_cycle.stale_range(24, P)
     assert (lo, hi) == (0, 4)  # window 6 at history 24 reads [19, 24): ordinals 4, 5
     good = [BAD_PAGE_INDEX] * 4 + [pool.lookup(keys[0][4]), pool.lookup(keys[0][5])]
@@ -350,7 +340,7 @@ def test_the_resize_counts_a_shared_page_it_releases_as_still_held():
     first.resize(8, 4)
     first.commit(4, tokens)
     second = KVCache(groups, P, owner=2)
-    keys = [second.prefix_keys(0, tokens, 1)]
+    keys = [second.keys.chain(0, tokens, 1)]
     second.adopt_prefix(4, [[pool.lookup(keys[0][0])]], keys)
     # 4 pages: first holds 2 (one shared). second asks for 3 more while releasing its shared page 0:
     # the release returns nothing, 2 are free, so it does not fit.

@@ -1,0 +1,69 @@
+"""What one resize does to one layer group's row: a pure function of the row and the new sizes.
+
+Coordinates: capacity and history are token counts from absolute position 0;
+the row maps block ordinals to pages (`BAD_PAGE_INDEX` where unbacked).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from .life_cycle import LifeCycle
+from .page_pool import BAD_PAGE_INDEX
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class GroupPlan(NamedTuple):
+    """What one resize does to one group's row (ordinals are block ordinals)."""
+
+    release: list[int]  # pages given back
+    clear: list[int]  # ordinals that lose their page (stay inside the row)
+    allocate: list[int]  # ordinals that get a fresh page
+    new_len: int  # the row's length afterwards (ceil(capacity / P))
+    settled: int  # ordinals below this never change again
+
+
+def plan_group_resize(
+    row: Sequence[int], settled: int, life_cycle: LifeCycle, tokens_per_block: int, capacity: int, history: int
+) -> GroupPlan:
+    """The plan taking `row` (settled below ordinal `settled`) to `capacity` tokens with `history`
+    of them history, walking only the ordinals that can change: O(blocks that change), not O(row).
+
+    Every ordinal in `[settled, len)` outside the stale range is backed (each resize
+    leaves it so) and stale ranges only grow, so only three spans can change: the
+    newly stale ordinals `[start, hi)`, the growth `[len, num_blocks)` and the shrink
+    `[num_blocks, len)`.
+    """
+    P = tokens_per_block
+    num_blocks = ceil_div(capacity, P)
+    lo, hi = life_cycle.stale_range(history, P)
+    # Stale ranges only grow with history and capacity never drops below history,
+    # so everything below the previous settled mark is final.
+    start = min(settled, len(row), num_blocks)
+    release: list[int] = []
+    clear: list[int] = []
+    allocate: list[int] = []
+    kept = min(len(row), num_blocks)
+    walk = [range(start, min(max(hi, start), kept)), range(kept, max(num_blocks, len(row)))]
+    for ordinal in (o for span in walk for o in span):
+        page = row[ordinal] if ordinal < len(row) else BAD_PAGE_INDEX
+        keep = ordinal < num_blocks and not (lo <= ordinal < hi)
+        if not keep:
+            if page != BAD_PAGE_INDEX:
+                release.append(page)
+                if ordinal < num_blocks:
+                    clear.append(ordinal)
+        elif page == BAD_PAGE_INDEX:
+            allocate.append(ordinal)
+    if life_cycle.window is None:
+        # Full attention never releases: every block wholly below history is final.
+        new_settled = max(start, min(history // P, num_blocks))
+    else:
+        new_settled = max(hi, start) if hi > lo else start
+    return GroupPlan(release, clear, allocate, num_blocks, new_settled)
+
+
+__all__ = ["GroupPlan", "ceil_div", "plan_group_resize"]
