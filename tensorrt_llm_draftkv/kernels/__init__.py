@@ -9,10 +9,9 @@ pass); ``BoundPreparation`` relaunches one one-pass call over fixed tensors
 without re-checking it. Each has a ``*_reference`` twin in plain torch; see ``spec_tail_kernels.py`` for
 the coordinates and the dispatch rules.
 """
+from ._dispatch import HAVE_TRITON, LAUNCH_COUNTS, triton_runs
 from .bound import BoundPreparation
 from .spec_tail_kernels import (
-    HAVE_TRITON,
-    LAUNCH_COUNTS,
     BlockTables,
     PagedLatentPrep,
     RebasedTables,
@@ -39,4 +38,5 @@ __all__ = [
     "prepare_paged_latent_reference",
     "rebase_block_table",
     "rebase_block_table_reference",
+    "triton_runs",
 ]

@@ -30,8 +30,8 @@ except Exception:  # pragma: no cover - depends on the environment
 LAUNCH_COUNTS: "collections.Counter[str]" = collections.Counter()
 
 
-def _use_triton(impl: Optional[str], device: torch.device) -> bool:
-    """Decide the implementation (see module docstring)."""
+def triton_runs(impl: Optional[str], device: torch.device) -> bool:
+    """Whether a call with this ``impl`` on this device runs a Triton kernel (see the module docstring)."""
     check_impl(impl)
     if impl == "reference":
         return False
@@ -50,12 +50,7 @@ def _use_triton(impl: Optional[str], device: torch.device) -> bool:
     return False
 
 
-def triton_runs(impl: Optional[str], device: torch.device) -> bool:
-    """Whether a call with this ``impl`` on this device runs a Triton kernel (see the dispatch rules)."""
-    return _use_triton(impl, device)
-
-
-def _launch(
+def launch(
     name: str,
     device: torch.device,
     grid: tuple[int, int],

@@ -39,9 +39,9 @@ _META_ORDER: dict[int, tuple[str, ...]] = {}
 ENABLED: bool = os.environ.get("DRAFTKV_FAST_LAUNCH", "1") != "0"
 
 try:  # what Triton itself reads the current stream with
-    _raw_stream = torch._C._cuda_getCurrentRawStream
+    raw_stream = torch._C._cuda_getCurrentRawStream
 except AttributeError:  # pragma: no cover - older torch
-    def _raw_stream(index: int) -> int:
+    def raw_stream(index: int) -> int:
         return torch.cuda.current_stream(index).cuda_stream
 
 
@@ -65,7 +65,7 @@ def _active(hook: Any) -> bool:
     return True if calls is None else bool(calls)
 
 
-def _hooked() -> bool:
+def hooked() -> bool:
     rt = _RUNTIME
     return rt is not None and (_active(rt.launch_enter_hook) or _active(rt.launch_exit_hook))
 
@@ -90,7 +90,7 @@ def launch_fast(kern: Any, device_index: int, grid: tuple[int, int], args: Seque
     ``num_warps``. The tensors must be on the current CUDA device. Returns the
     ``CompiledKernel`` that ran (``None`` when the normal path gave none back).
     """
-    if _hooked():
+    if hooked():
         launch_normal(kern, grid, args, meta)
         return None
     key = [id(kern), device_index]
@@ -119,7 +119,7 @@ def launch_fast(kern: Any, device_index: int, grid: tuple[int, int], args: Seque
         return None
     vals.extend(meta[name] for name in _meta_order(kern, len(args)))
     ck.run(
-        grid[0], grid[1], 1, _raw_stream(device_index), ck.function, ck.packed_metadata, None, None, None, *vals
+        grid[0], grid[1], 1, raw_stream(device_index), ck.function, ck.packed_metadata, None, None, None, *vals
     )
     return ck
 
@@ -132,12 +132,12 @@ def cached_classes() -> int:
 def clear() -> None:
     """Forget every bound launch class (the next launch of each binds again)."""
     _CACHE.clear()
-    for forget in _ON_CLEAR:
+    for forget in ON_CLEAR:
         forget()
 
 
 #: callbacks run by :func:`clear` (the entry points register their own caches)
-_ON_CLEAR: list = []
+ON_CLEAR: list = []
 
 
 __all__ = ["ENABLED", "cached_classes", "clear", "launch_fast", "launch_normal"]

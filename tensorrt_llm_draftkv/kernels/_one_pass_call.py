@@ -54,7 +54,7 @@ def prepare_one_pass(
         block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new, out=out,
     )
     assert block_offsets is not None
-    if not _dispatch._use_triton(impl, dev):
+    if not _dispatch.triton_runs(impl, dev):
         return reference.prepare_paged_latent_one_pass_reference(
             block_offsets, pool_idx, divisor, backend, *vectors, out=out, **kw
         )
@@ -64,12 +64,32 @@ def prepare_one_pass(
         out = PagedLatentPrep.empty(B, M, kw["block_size"], kw["max_new"], device=dev, with_extents=True)
     if B == 0:
         return out
-    blk, nsplit, warps, scan, src_tiles = one_pass_config(B, M, dev, block, num_warps, split, source_tiles)
+    config = one_pass_config(B, M, dev, block, num_warps, split, source_tiles)
+    _launch(dev, block_offsets, vectors, out, kw, config, pool_idx, divisor, backend, fast_launch, plan_key)
+    return out
+
+
+def _launch(
+    dev: torch.device,
+    block_offsets: torch.Tensor,
+    vectors: tuple[torch.Tensor, ...],
+    out: PagedLatentPrep,
+    kw: dict,
+    config: tuple,
+    pool_idx: int,
+    divisor: int,
+    backend: str,
+    fast_launch: bool,
+    plan_key: Optional[tuple],
+) -> None:
+    """One checked launch of the one-pass kernel over `B` rows of `M` block ordinals (sizes in `config`)."""
+    blk, nsplit, warps, scan, src_tiles = config
+    B, M = vectors[0].shape[0], block_offsets.shape[3]
     s_pool, s_ob, _, s_om = block_offsets.stride()
     # output rows start 16-byte aligned when M is a multiple of 4 (int32 entries)
     row_align = 4 if M % 4 == 0 else (2 if M % 2 == 0 else 1)
     slot_ids, slot_ctx_len, slot_base_pages, num_new = vectors
-    _dispatch._launch(
+    _dispatch.launch(
         "prepare_paged_latent_one_pass",
         dev,
         (B, nsplit),
@@ -114,7 +134,6 @@ def prepare_one_pass(
         COMPILED=dev.type == "cuda",
         num_warps=warps,
     )
-    return out
 
 
 def bound_launch(

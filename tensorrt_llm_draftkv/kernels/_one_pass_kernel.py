@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from ._triton_kernels import _max_combine
+from ._combine import max_combine
 
 
-def _one_pass_kernel(
+def one_pass_kernel(
     off_ptr,  # block_offsets [num_pools, B_exported, 2, M] (int32/int64, any strides); K half read
     slot_ptr,  # [B] slot id per row
     ctx_ptr,  # [num_slots] slot context length L (absolute positions)
@@ -184,7 +184,7 @@ def _one_pass_kernel(
         else:
             if SPLIT == 1:
                 if COMPILED:
-                    ext = tl.reduce(acc, 0, _max_combine)
+                    ext = tl.reduce(acc, 0, max_combine)
                 else:
                     ext = tl.max(acc, axis=0)
                 if SRC_TILES:
@@ -194,7 +194,7 @@ def _one_pass_kernel(
             else:
                 one_past0 = tl.where(v0 >= 0, c0 + 1, 0)
                 if COMPILED:
-                    ext = tl.reduce(one_past0, 0, _max_combine)
+                    ext = tl.reduce(one_past0, 0, max_combine)
                 else:
                     ext = tl.max(one_past0, axis=0)
                 top = M - SCAN + row * 0  # [0, M - SCAN) is left unread
@@ -208,7 +208,7 @@ def _one_pass_kernel(
                     v = tl.load(k_row + c.to(tl.int64) * s_om, mask=(c >= 0) & (c < top), other=-1)
                 one_past = tl.where(v >= 0, c + 1, 0)
                 if COMPILED:
-                    ext = tl.reduce(one_past, 0, _max_combine)
+                    ext = tl.reduce(one_past, 0, max_combine)
                 else:
                     ext = tl.max(one_past, axis=0)
                 start -= SCAN

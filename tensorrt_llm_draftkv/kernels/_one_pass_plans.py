@@ -2,7 +2,7 @@
 launches its compiled kernel again without the checks or Triton's argument binding.
 
 A *plan* is keyed by everything the checks and the launch sizing depend on
-(`plan_key`); `_dispatch._launch` records one after a checked fast launch
+(`plan_key`); `_dispatch.launch` records one after a checked fast launch
 (`remember_plan`) and `_one_pass_call` tries it first on the next call (`launch_planned`).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .reference import PagedLatentPrep
 #: call signature of a checked one-pass call -> (kernel, stream device, grid, int args, constexprs)
 _PLANS: dict[tuple, tuple] = {}
 _PLAN_LIMIT = 4096  # a bound on distinct signatures kept (plans are tiny)
-_fl._ON_CLEAR.append(_PLANS.clear)
+_fl.ON_CLEAR.append(_PLANS.clear)
 
 
 def plan_key(
@@ -108,7 +108,7 @@ def launch_planned(
     key: tuple, block_offsets: torch.Tensor, vectors: tuple[torch.Tensor, ...], out: PagedLatentPrep, max_ctx: Any
 ) -> bool:
     """Launch a one-pass call whose signature was checked before; ``False`` if it was not (then nothing ran)."""
-    if type(max_ctx) is not int or max_ctx < 0 or _fl._hooked():
+    if type(max_ctx) is not int or max_ctx < 0 or _fl.hooked():
         return False
     plan = _plan_for(key, out, max_ctx)
     if plan is None:
@@ -121,7 +121,7 @@ def launch_planned(
         or outs[6]() is not o.shift or outs[7]() is not o.extents or torch.cuda.current_device() != index
     ):
         return False
-    ck.run(grid[0], grid[1], 1, _fl._raw_stream(index), *_launch_args(plan, block_offsets, vectors, out, max_ctx))
+    ck.run(grid[0], grid[1], 1, _fl.raw_stream(index), *_launch_args(plan, block_offsets, vectors, out, max_ctx))
     return True
 
 

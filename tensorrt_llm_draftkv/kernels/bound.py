@@ -84,9 +84,9 @@ class BoundPreparation:
     def __call__(self) -> PagedLatentPrep:
         """Launch the step; returns ``out``. No host synchronisation; capturable in a CUDA graph."""
         bound = self._bound
-        if bound is not None and not _fl._hooked() and torch.cuda.current_device() == bound[2]:
+        if bound is not None and not _fl.hooked() and torch.cuda.current_device() == bound[2]:
             run, grid, index, args = bound
-            run(grid[0], grid[1], 1, _fl._raw_stream(index), *args)
+            run(grid[0], grid[1], 1, _fl.raw_stream(index), *args)
             _api.LAUNCH_COUNTS[_ONE_PASS] += 1
             return self.out
         return self._checked()

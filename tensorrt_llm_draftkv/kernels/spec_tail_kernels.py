@@ -49,7 +49,6 @@ from typing import Optional
 import torch
 
 from . import _dispatch
-from ._dispatch import HAVE_TRITON, LAUNCH_COUNTS, triton_runs  # noqa: F401  (re-exported)
 from ._checks import (
     check_decode,
     check_prepare,
@@ -108,7 +107,7 @@ def decode_draft_block_table(
     """
     M, divisor = check_decode(block_offsets, pool_idx, num_seqs, divisor, backend, out)
     dev = block_offsets.device
-    if not _dispatch._use_triton(impl, dev):
+    if not _dispatch.triton_runs(impl, dev):
         return decode_draft_block_table_reference(block_offsets, pool_idx, num_seqs, divisor, backend, out)
 
     if out is None:
@@ -122,7 +121,7 @@ def decode_draft_block_table(
     blk = pick_block(num_seqs, M, block, interpreted)
     k = block_offsets[pool_idx, :num_seqs, 0]  # strided view, no copy
     grid = (num_seqs, max(1, -(-M // blk)))
-    _dispatch._launch(
+    _dispatch.launch(
         "decode_draft_block_table",
         dev,
         grid,
@@ -164,7 +163,7 @@ def rebase_block_table(
     """
     dev = check_rebase(tables, extents, base_pages, out)
     B, M = tables.shape
-    if not _dispatch._use_triton(impl, dev):
+    if not _dispatch.triton_runs(impl, dev):
         return rebase_block_table_reference(tables, extents, base_pages, out)
     if out is None:
         out = RebasedTables(
@@ -177,7 +176,7 @@ def rebase_block_table(
     interpreted = dev.type != "cuda"
     blk = pick_block(B, M, block, interpreted)
     grid = (B, max(1, -(-M // blk)))
-    _dispatch._launch(
+    _dispatch.launch(
         "rebase_block_table",
         dev,
         grid,
@@ -300,7 +299,7 @@ def prepare_paged_latent(
     dev, kw = check_prepare(
         tensors, block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new, out=out
     )
-    if not _dispatch._use_triton(impl, dev):
+    if not _dispatch.triton_runs(impl, dev):
         return prepare_paged_latent_reference(*tensors, out=out, **kw)
     B, M = tables.shape
     if out is None:
@@ -329,7 +328,7 @@ def _launch_prepare(
     dev = tables.device
     blk = pick_block(B, M, block, dev.type != "cuda")
     grid = (B, max(1, -(-M // blk)))
-    _dispatch._launch(
+    _dispatch.launch(
         "prepare_paged_latent",
         dev,
         grid,
@@ -362,8 +361,6 @@ def _launch_prepare(
 
 __all__ = [
     "BlockTables",
-    "HAVE_TRITON",
-    "LAUNCH_COUNTS",
     "PagedLatentPrep",
     "RebasedTables",
     "decode_draft_block_table",

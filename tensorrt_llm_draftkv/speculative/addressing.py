@@ -24,7 +24,7 @@ from ..kernels import (
     decode_draft_block_table,
     prepare_paged_latent,
 )
-from ..kernels.spec_tail_kernels import triton_runs
+from ..kernels import triton_runs
 from ..request import LlmRequest
 from .draft_pool import DraftPool
 from .slot_table import SlotTable

@@ -80,8 +80,12 @@ class DFlashSpecMetadata(SpecMetadata):
             raise ValueError(f"DFlashSpecMetadata.prepare(): num_generations {self.num_generations} of {n} rows")
         self.batch_indices_cuda[:n].copy_(torch.arange(n, dtype=torch.int32))
         worker: DFlashWorker | None = getattr(self, "_dflash_worker", None)
-        if worker is not None and worker._ctx_buf_inited:
+        if worker is not None and worker.is_bound:
             worker.map_batch_rows(self)
+
+    def attach_worker(self, worker: DFlashWorker) -> None:
+        """The worker whose slots `prepare()` maps rows to (kept as upstream's `_dflash_worker`)."""
+        self._dflash_worker = worker
 
     def is_layer_capture(self, layer_id: int) -> bool:
         return layer_id in self._layer_to_idx

@@ -167,7 +167,12 @@ class DFlashWorker:
             max_ctx_len=max(max_ctx, P), device=device, draft_manager=dm,
         )
         self.bind_draft_slots(slots, dm, draft_model=draft_model)
-        spec_metadata._dflash_worker = self
+        spec_metadata.attach_worker(self)
+
+    @property
+    def is_bound(self) -> bool:
+        """Are the slots and the context store bound (upstream's `_ctx_buf_inited`)?"""
+        return self._ctx_buf_inited
 
     def bind_draft_slots(self, draft_slots: DFlashDraftSlots, draft_manager: Optional[DraftPool] = None, *,
                          draft_model: Any = None) -> None:
