@@ -339,7 +339,7 @@ def check_request(
     pool_pages: Sequence[int] | None = None,
 ) -> None:
     """Raise `AdmissionRefused` if `mirror_peak_pages` exceeds `charged` (pages per group) anywhere, or
-    the pool itself (`pool_pages`, its pages per group, when given) anywhere.
+    or, within the charge, the pool itself (`pool_pages`, its pages per group, when given).
 
     Arguments as for `mirror_peak_pages`. The message names the request, where its
     chunks start and their size (or that it is a generation-init request), both
@@ -363,23 +363,12 @@ def check_request(
         if disagg_generation_init
         else f"a context request of {prompt_len} tokens starting at position {start} in chunks of {chunk}"
     )
-    if pool_pages is not None:
-        if len(pool_pages) != len(needed):
-            raise ValueError(f"pool sizes for {len(pool_pages)} layer groups, the request has {len(needed)}")
-        small = [g for g, (n, total) in enumerate(zip(needed, pool_pages)) if n > total]
-        if small:
-            g = small[0]
-            message = (
-                f"{label}: request {request_id} refused at admission: {what} needs {needed[g]} pages in layer "
-                f"group {g} (window {life_cycles[g].window} tokens, P {tokens_per_block}) but the pool has only "
-                f"{pool_pages[g]} pages (the charge, {charged[g]} pages per request, is the geometry's figure, "
-                f"not this pool's). Per group: needs {list(needed)}, pool {list(pool_pages)}."
-            )
-            raise AdmissionRefused(
-                message, request_id=request_id, group=g, needed_pages=needed[g], charged_pages=charged[g]
-            )
+    if pool_pages is not None and len(pool_pages) != len(needed):
+        raise ValueError(f"pool sizes for {len(pool_pages)} layer groups, the request has {len(needed)}")
     over = [g for g, (n, c) in enumerate(zip(needed, charged)) if n > c]
     if not over:
+        if pool_pages is not None:
+            _check_pool(needed, pool_pages, charged, life_cycles, tokens_per_block, request_id, what, label)
         return
     g = over[0]
     prompt_phase = mirror_peak_pages(policy, life_cycles, tokens_per_block, include_generation=False, **kwargs)
@@ -396,5 +385,23 @@ def check_request(
         f"group {g} (window {window} tokens, P {tokens_per_block}) but the estimator charges {charged[g]} "
         f"pages per request; why: {why}. Per group: needs {list(needed)}, charged {list(charged)}. "
         "Admitted, it would fail its resize in a pool sized at the charge."
+    )
+    raise AdmissionRefused(message, request_id=request_id, group=g, needed_pages=needed[g], charged_pages=charged[g])
+
+
+def _check_pool(
+    needed: Sequence[int], pool_pages: Sequence[int], charged: Sequence[int], life_cycles: Sequence[LifeCycle],
+    tokens_per_block: int, request_id: int, what: str, label: str,
+) -> None:
+    """`AdmissionRefused` for a request within its charge whose peak a layer group's pool cannot hold."""
+    small = [g for g, (n, total) in enumerate(zip(needed, pool_pages)) if n > total]
+    if not small:
+        return
+    g = small[0]
+    message = (
+        f"{label}: request {request_id} refused at admission: {what} needs {needed[g]} pages in layer "
+        f"group {g} (window {life_cycles[g].window} tokens, P {tokens_per_block}) but the pool has only "
+        f"{pool_pages[g]} pages (the charge, {charged[g]} pages per request, is the geometry's figure, "
+        f"not this pool's). Per group: needs {list(needed)}, pool {list(pool_pages)}."
     )
     raise AdmissionRefused(message, request_id=request_id, group=g, needed_pages=needed[g], charged_pages=charged[g])

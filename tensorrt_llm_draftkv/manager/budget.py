@@ -15,7 +15,6 @@ import torch
 
 from ..config import LayerGroupConfig
 from . import rules
-from .rules import step_headroom  # noqa: F401  (re-exported: the estimators' callers use it from here)
 
 
 def _ceil_div(a: int, b: int) -> int:

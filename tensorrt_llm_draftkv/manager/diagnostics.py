@@ -1,6 +1,8 @@
 """The text of resize errors: what was asked, and what every live cache holds."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from typing import Mapping
 
 from ..runtime import KVCache
@@ -67,13 +69,24 @@ def resize_error(
     history: int | None,
     diagnostic: str,
     step: str = "",
+    pages_needed: Sequence[int] | None = None,
+    pages_free: Sequence[int] | None = None,
 ) -> KVCacheResizeError:
     """`<label> <phase> resize failed for request N: could not resize to C tokens ...`; `step` says
-    which step asked (a context chunk's range, and a hint when it is the whole prompt)."""
+    which step asked (a context chunk's range, and a hint when it is the whole prompt);
+    `pages_needed`/`pages_free` (per layer group) say by how many pages it falls short."""
     hist = "unchanged" if history is None else str(history)
+    pages = ""
+    if pages_needed is not None and pages_free is not None:
+        short = [g for g, (n, f) in enumerate(zip(pages_needed, pages_free)) if n > f]
+        pages = (
+            f"  pages this resize needs per layer group: {list(pages_needed)}, free: {list(pages_free)}"
+            + (f" (layer group {short[0]} is {pages_needed[short[0]] - pages_free[short[0]]} pages short)" if short else "")
+            + "\n"
+        )
     message = (
         f"{label} {phase} resize failed for request {request_id}: could not resize to {capacity} tokens "
-        f"(history {hist})\n{step + chr(10) if step else ''}{diagnostic}"
+        f"(history {hist})\n{step + chr(10) if step else ''}{pages}{diagnostic}"
     )
     return KVCacheResizeError(message, request_id=request_id, phase=phase, capacity=capacity, history=history)
 

@@ -121,26 +121,28 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
         if num_tokens < 0:
             raise ValueError(f"{self.error_label}: request {req.py_request_id}: num_tokens must be >= 0, got {num_tokens}")
         rid = req.py_request_id
-        fresh = rid not in self._caches
+        fresh = rid not in self.caches
         if fresh:
-            self._caches[rid] = self._new_cache(rid)
+            self.caches[rid] = self.caches.new(rid)
         elif not self.resume_request(req):
             return False
         with self._draft_request_context(ScheduledRequests(context_requests=[req])):
-            capacity, history = self.sizing_rules.context(req, self._caches[rid], chunk=num_tokens)
+            capacity, history = self.sizing_rules.context(req, self.caches[rid], chunk=num_tokens)
         if self._grow_or_refuse(req, "context", capacity, history):
             return True
         if fresh:
-            self._caches.pop(rid).free()
+            self.caches.pop(rid).free()
         return False
 
     # -- admission -------------------------------------------------------------------
     def admit_mirror(self, req: LlmRequest) -> bool:
-        """Could the mirror take this request's next step now? Changes nothing.
+        """Could the mirror take this request's next step now? Changes nothing but `last_refusal`.
 
-        For a scheduler that would rather defer a request than fail it.
+        For a scheduler that would rather defer a request than fail it. False sets
+        `last_refusal` to the explicit `KVCacheResizeError`: the request, the capacity
+        and history asked, the pages needed against the pages free per group.
         """
-        cache = self._caches.get(req.py_request_id) or self._new_cache(req.py_request_id)
+        cache = self.caches.get(req.py_request_id) or self.caches.new(req.py_request_id)
         sizing = self.sizing_rules
         with self._draft_request_context(ScheduledRequests(context_requests=[req])):  # as prepare sizes it
             if req.is_disagg_generation_init_state:
@@ -149,7 +151,12 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
                 capacity, history = sizing.context(req, cache)
             else:
                 capacity, history = sizing.generation(req, cache)
-        return cache.can_resize(capacity, history)
+        if cache.can_resize(capacity, history):
+            return True
+        self.last_refusal = self._mirror_resize_error(
+            req.py_request_id, "admission", capacity, history, demand=cache.page_demand(capacity, history)
+        )
+        return False
 
     def pages_per_request_charge(
         self, chunk: int, *, max_seq_len: int | None = None, aligned: bool = True
@@ -172,7 +179,8 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
         )
 
     def check_admission(self, req: LlmRequest, *, chunk: int, charge: Sequence[int] | None = None) -> None:
-        """Raise `AdmissionRefused` if this request's mirror would ever hold more pages than charged.
+        """Raise `AdmissionRefused` if this request's mirror would ever hold more pages than charged,
+        or than this pool has in a layer group.
 
         A context request's chunks are `[p + k * chunk, ...)` from `p =
         req.target_view.position` (absolute); a disaggregated generation-init request
@@ -197,4 +205,5 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
             disagg_generation_init=disagg,
             max_new_tokens=min(req.max_new_tokens, self.config.max_seq_len - req.prompt_len),
             label=self.error_label,
+            pool_pages=tuple(g.pool.total for g in self.layer_groups),
         )

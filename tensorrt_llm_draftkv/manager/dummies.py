@@ -1,19 +1,32 @@
 """CUDA-graph warmup dummies: what `KVCacheManagerV2.add_dummy_requests` adds.
 
-Positions are absolute: a dummy of n tokens sits at position n - 1.
+Positions are absolute: a dummy of n tokens sits at position n - 1. The
+functions here read a manager only through `DummyHost`, what they need of it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import Callable, Iterable, Protocol
 
 from ..request import LlmRequest, LlmRequestState
+from .request_caches import RequestCaches
+from .rules import StepSizing
 
-if TYPE_CHECKING:
-    from .kv_cache_manager import KVCacheManagerV2
+
+class DummyHost(Protocol):
+    """What adding dummies reads and calls on a manager."""
+
+    error_label: str
+    num_extra_kv_tokens: int
+    caches: RequestCaches
+
+    @property
+    def sizing_rules(self) -> StepSizing: ...
+
+    def resize_or_raise(self, req: LlmRequest, phase: str, sizing: Callable) -> None: ...
 
 
 def add_dummies(
-    self: KVCacheManagerV2,
+    self: DummyHost,
     request_ids: Iterable[int],
     token_nums: Iterable[int] | None,
     *,
@@ -24,7 +37,7 @@ def add_dummies(
     kv_reserve_draft_tokens: int | None,
     max_beam_width: int,
     encoder_output_lens: list[int] | None,
-    draft_kv_cache_manager: "KVCacheManagerV2 | None",
+    add_to_draft: Callable[[], None] | None,
     num_extra_decoding_steps: int,
     history_hint: int | None,
 ) -> list[LlmRequest]:
@@ -37,6 +50,8 @@ def add_dummies(
     `tokens - 1`, so a windowed pool backs only the window (`materialize_history=True`: none, the
     whole history backed); `history_hint` sets it for every dummy (clamped to `tokens - 1` for a
     generation dummy, whose drafter slot is seeded there). A legacy mirror drops the history.
+    `add_to_draft`: adds the same dummies to the draft manager (raising if it cannot), inside this
+    manager's transaction, so a failure there unwinds the dummies here too.
     """
     request_ids = list(request_ids)
     token_nums = [1 + max_num_draft_tokens] * len(request_ids) if token_nums is None else list(token_nums)
@@ -44,7 +59,7 @@ def add_dummies(
     if encoder_output_lens is not None:
         raise ValueError(f"{self.error_label}: no cross attention here (encoder_output_lens must be None)")
     _check_dummies(self, request_ids, token_nums, max(max_num_draft_tokens, reserve), max_beam_width,
-                   num_extra_decoding_steps, draft_kv_cache_manager)
+                   num_extra_decoding_steps)
     made: list[LlmRequest] = []
     for rid, tokens in zip(request_ids, token_nums):
         req = LlmRequest(rid, prompt_len=tokens, is_dummy=True)
@@ -54,25 +69,18 @@ def add_dummies(
         made.append(req)
     if not prepare_resource:
         return made
-    with self._batch_transaction(request_ids):
+    with self.caches.transaction(request_ids):
         for req, tokens in zip(made, token_nums):
             capacity = tokens + reserve + self.num_extra_kv_tokens + num_extra_decoding_steps
             history = _dummy_history(self, tokens, capacity, is_gen, materialize_history, history_hint)
-            self._resize_or_raise(req, "dummy", lambda r, c, cap=capacity, h=history: (cap, h))
-        if draft_kv_cache_manager is not None:
-            # Raising here unwinds this manager's dummies too (the transaction above).
-            add_dummies(
-                draft_kv_cache_manager, request_ids, token_nums, is_gen=is_gen, materialize_history=materialize_history,
-                prepare_resource=True, max_num_draft_tokens=max_num_draft_tokens,
-                kv_reserve_draft_tokens=kv_reserve_draft_tokens, max_beam_width=max_beam_width,
-                encoder_output_lens=None, draft_kv_cache_manager=None, num_extra_decoding_steps=0,
-                history_hint=history_hint,
-            )
+            self.resize_or_raise(req, "dummy", lambda r, c, cap=capacity, h=history: (cap, h))
+        if add_to_draft is not None:
+            add_to_draft()  # raising here unwinds this manager's dummies too (the transaction above)
     return made
 
 
 def _dummy_history(
-    manager: KVCacheManagerV2, tokens: int, capacity: int, is_gen: bool, materialize: bool, hint: int | None
+    manager: DummyHost, tokens: int, capacity: int, is_gen: bool, materialize: bool, hint: int | None
 ) -> int | None:
     """A dummy's history (see `add_dummies`), through the manager's dummy rule (legacy drops it)."""
     if hint is None and is_gen and not materialize:
@@ -86,13 +94,12 @@ def _dummy_history(
 
 
 def _check_dummies(
-    manager: KVCacheManagerV2,
+    manager: DummyHost,
     request_ids: list[int],
     token_nums: list[int],
     max_num_draft_tokens: int,
     max_beam_width: int,
     num_extra_decoding_steps: int,
-    draft_kv_cache_manager: "KVCacheManagerV2 | None",
 ) -> None:
     """Every argument error, raised before any dummy exists (naming the numbers)."""
     if max_beam_width != 1:
@@ -105,18 +112,9 @@ def _check_dummies(
             f"{manager.error_label}: max_num_draft_tokens ({max_num_draft_tokens}) and "
             f"num_extra_decoding_steps ({num_extra_decoding_steps}) must be >= 0"
         )
-    if draft_kv_cache_manager is not None:
-        from .kv_cache_manager import KVCacheManagerV2  # a cycle at import time otherwise
-
-        if not isinstance(draft_kv_cache_manager, KVCacheManagerV2):
-            raise TypeError(
-                f"draft_kv_cache_manager must be a KVCacheManagerV2, got {type(draft_kv_cache_manager).__name__}"
-            )
-        if draft_kv_cache_manager is manager:
-            raise ValueError(f"{manager.error_label}: draft_kv_cache_manager is this manager itself")
     if len(token_nums) != len(request_ids):
         raise ValueError(f"{len(request_ids)} dummy ids but {len(token_nums)} token counts")
-    taken = [rid for rid in request_ids if rid in manager._caches]
+    taken = [rid for rid in request_ids if rid in manager.caches]
     repeated = sorted({rid for rid in request_ids if request_ids.count(rid) > 1})
     if taken or repeated:
         bad = taken or repeated
@@ -129,3 +127,6 @@ def _check_dummies(
     for rid, tokens in zip(request_ids, token_nums):
         if tokens < 1:
             raise ValueError(f"dummy request {rid}: token count must be >= 1, got {tokens}")
+
+
+__all__ = ["DummyHost", "add_dummies"]

@@ -2,23 +2,39 @@
 
 Entry `[pool, row, k, i]` is `page * kv_factor + k` for the page backing block
 ordinal i (absolute positions `[i*P, (i+1)*P)`); K at k = 0, V at k = 1.
-The public functions are `KVCacheManagerV2` methods (hence `self`), kept here.
+The manager's `get_block_offsets`, `block_tables` and `copy_batch_block_offsets`
+call these functions with its `OffsetLayout` and the caches of the batch; they
+read each cache through its public rows (`KVCache.block_row_slice`).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 import torch
 
 from ..runtime import BAD_PAGE_INDEX, KVCache
 
-if TYPE_CHECKING:
-    from .kv_cache_manager import KVCacheManagerV2
+
+@dataclass(frozen=True)
+class OffsetLayout:
+    """What the export needs of a manager: its label for errors, K/V slots per page, the default
+    width, the pools' device, and each pool's guard page (None: none)."""
+
+    label: str
+    kv_factor: int
+    max_blocks_per_seq: int
+    device: str
+    guard_pages: tuple[int | None, ...]
+
+    @property
+    def num_pools(self) -> int:
+        return len(self.guard_pages)
 
 
 def get_block_offsets(
-    self: KVCacheManagerV2, request_ids: Iterable[int], backend: str = "cpp", *, width: int | str | None = None
+    layout: OffsetLayout, ids: list[int], caches: list[KVCache], backend: str = "cpp", *, width: int | str | None = None
 ) -> torch.Tensor:
     """int32 `[num_pools, B, 2, width]` block offsets, by block ordinal.
 
@@ -32,30 +48,30 @@ def get_block_offsets(
     the longest row of the batch (every ordinal any of these requests has; the
     columns past a shorter row read as unbacked); or an int >= that.
     """
+    _check_backend(backend)
+    width, label = _export_width(layout, caches, width)
+    return torch.from_numpy(block_offset_array(layout, ids, caches, backend, width, label))
+
+
+def _check_backend(backend: str) -> None:
     if backend not in ("cpp", "python"):
         raise ValueError(f"unknown block-offset backend {backend!r}; use 'cpp' or 'python'")
-    ids = list(request_ids)
-    caches = [self.get_cache(rid) for rid in ids]
-    width, label = _export_width(self, ids, caches, width)
-    return torch.from_numpy(block_offset_array(self, ids, caches, backend, width, label))
 
 
-def _export_width(
-    manager: KVCacheManagerV2, ids: list[int], caches: list[KVCache], width: int | str | None
-) -> tuple[int, str]:
+def _export_width(layout: OffsetLayout, caches: list[KVCache], width: int | str | None) -> tuple[int, str]:
     if width is None:
-        width = manager.config.max_blocks_per_seq
+        width = layout.max_blocks_per_seq
         return width, f"max_blocks_per_seq={width}"
     if width == "live":
-        return live_width(manager, caches), "the live width"
+        return live_width(layout, caches), "the live width"
     if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 0:
-        raise ValueError(f"{manager.error_label}: export width must be None, 'live' or an int >= 0, got {width!r}")
+        raise ValueError(f"{layout.label}: export width must be None, 'live' or an int >= 0, got {width!r}")
     return int(width), f"width={width}"
 
 
-def live_width(manager: KVCacheManagerV2, caches: Iterable[KVCache]) -> int:
+def live_width(layout: OffsetLayout, caches: Iterable[KVCache]) -> int:
     """The longest row (block ordinals, backed or not) of these caches over every pool."""
-    return max((len(c._rows[p]) for c in caches for p in range(manager.num_pools)), default=0)
+    return max((c.row_length(p) for c in caches for p in range(layout.num_pools)), default=0)
 
 
 class _RowMemo:
@@ -75,8 +91,7 @@ class _RowMemo:
 
     def refresh(self, cache: KVCache, p: int, scale: int, v_slot: int, fill: int | None) -> None:
         """Entries `page * scale` (V: `+ v_slot`); `fill` for an unbacked ordinal (None keeps -1)."""
-        row = cache._rows[p]
-        n = len(row)
+        n = cache.row_length(p)
         lo = min(self.settled, cache.settled_blocks(p), n, self.n)
         if n > self.k.size:  # geometric growth: a growing row costs O(change) amortised
             size = max(n, 2 * self.k.size, 64)
@@ -84,13 +99,13 @@ class _RowMemo:
             if self.v is not None:
                 self.v = _grown(self.v, size, lo)
         if n > lo:
-            pages = np.array(row[lo:n], dtype=np.int64)
+            pages = np.array(cache.block_row_slice(p, lo, n), dtype=np.int64)
             backed = pages >= 0
             k_tail = np.where(backed, pages * scale, BAD_PAGE_INDEX if fill is None else fill)
             self.k[lo:n] = k_tail
             if self.v is not None:
                 self.v[lo:n] = np.where(backed | (fill is not None), k_tail + v_slot, BAD_PAGE_INDEX)
-        self.extent = _extent(row)
+        self.extent = cache.backed_extent(p)
         self.n, self.settled, self.version = n, cache.settled_blocks(p), cache.version
 
 
@@ -110,16 +125,16 @@ def _memo(cache: KVCache, p: int, use: str, scale: int, v_slot: int, fill: int |
     return memo
 
 
-def _fill(manager: KVCacheManagerV2, p: int, backend: str) -> int | None:
+def _fill(layout: OffsetLayout, p: int, backend: str) -> int | None:
     """K offset of an unbacked ordinal in pool p (None: -1, the python backend)."""
     if backend != "cpp":
         return None
-    guard = manager.layer_groups[p].pool.guard_page_index
-    return 0 if guard is None else guard * manager.config.kv_factor
+    guard = layout.guard_pages[p]
+    return 0 if guard is None else guard * layout.kv_factor
 
 
 def block_offset_array(
-    manager: KVCacheManagerV2,
+    layout: OffsetLayout,
     ids: list[int],
     caches: list[KVCache],
     backend: str,
@@ -134,13 +149,13 @@ def block_offset_array(
     row's entries converted only where they changed since the last export of
     that row. Every check runs before the first write.
     """
-    kv = manager.config.kv_factor
+    kv = layout.kv_factor
     v_slot = 1 if kv > 1 else 0  # a K-only pool (kv_factor 1) has no separate V slot
-    _check_width(manager, ids, caches, width, width_label)
+    _check_width(layout, ids, caches, width, width_label)
     if out is None:
-        out = np.empty((manager.num_pools, len(ids), 2, width), dtype=np.int32)  # each entry written once
-    for p in range(manager.num_pools):
-        fill = _fill(manager, p, backend)
+        out = np.empty((layout.num_pools, len(ids), 2, width), dtype=np.int32)  # each entry written once
+    for p in range(layout.num_pools):
+        fill = _fill(layout, p, backend)
         k_fill = BAD_PAGE_INDEX if fill is None else fill
         v_fill = BAD_PAGE_INDEX if fill is None else fill + v_slot
         for b, cache in enumerate(caches):
@@ -152,7 +167,8 @@ def block_offset_array(
 
 
 def block_tables(
-    self: KVCacheManagerV2, request_ids: Iterable[int], backend: str = "cpp", *, width: int | str | None = "live"
+    layout: OffsetLayout, ids: list[int], caches: list[KVCache], backend: str = "cpp", *,
+    width: int | str | None = "live",
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per pool, `(tables int32 [B, width], extents int64 [B])`: what decoding
     `get_block_offsets(request_ids, backend, width=width)` yields, without the offsets.
@@ -161,16 +177,13 @@ def block_tables(
     the guard page (`"cpp"`). Extents are `1 + max{i : backed}` (`"python"`) or
     the full width (`"cpp"`: an unbacked entry there looks like a page).
     """
-    if backend not in ("cpp", "python"):
-        raise ValueError(f"unknown block-offset backend {backend!r}; use 'cpp' or 'python'")
-    ids = list(request_ids)
-    caches = [self.get_cache(rid) for rid in ids]
-    width, label = _export_width(self, ids, caches, width)
-    _check_width(self, ids, caches, width, label)
-    kv = self.config.kv_factor
+    _check_backend(backend)
+    width, label = _export_width(layout, caches, width)
+    _check_width(layout, ids, caches, width, label)
+    kv = layout.kv_factor
     result = []
-    for p in range(self.num_pools):
-        fill = _fill(self, p, backend)
+    for p in range(layout.num_pools):
+        fill = _fill(layout, p, backend)
         fill_page = None if fill is None else fill // kv
         tables = np.empty((len(ids), width), dtype=np.int32)  # every entry is written once below
         extents = np.full(len(ids), width, dtype=np.int64)
@@ -184,58 +197,32 @@ def block_tables(
     return result
 
 
-def _check_width(manager: KVCacheManagerV2, ids: list[int], caches: list[KVCache], width: int, label: str) -> None:
+def _check_width(layout: OffsetLayout, ids: list[int], caches: list[KVCache], width: int, label: str) -> None:
     for b, cache in enumerate(caches):
-        longest = max((len(cache._rows[p]) for p in range(manager.num_pools)), default=0)
+        longest = max((cache.row_length(p) for p in range(layout.num_pools)), default=0)
         if longest > width:
             raise ValueError(f"request {ids[b]} spans {longest} blocks, more than {label}")
 
 
-def _extent(row: list[int]) -> int:
-    """1 + the last backed ordinal (0 for none); rows almost always end backed."""
-    for i in range(len(row) - 1, -1, -1):
-        if row[i] != BAD_PAGE_INDEX:
-            return i + 1
-    return 0
-
-
-def copy_batch_block_offsets(
-    self: KVCacheManagerV2,
-    dst_tensor: torch.Tensor,
-    request_ids: Iterable[int],
-    beam_width: int,
-    num_contexts: int,
-    num_seqs: int,
-    max_blocks: int | None = None,
+def write_block_offsets(
+    layout: OffsetLayout, dst_tensor: torch.Tensor, ids: list[int], caches: list[KVCache], num_seqs: int,
+    width: int, width_label: str,
 ) -> None:
-    """Upstream's call: write the batch's block offsets into `dst_tensor`, in place.
-
-    `dst_tensor` is the caller's int32 `[num_pools, >= num_seqs, 2, >= width]`
-    tensor on this self's device, `width` being `max_blocks` or else
-    `config.max_blocks_per_seq`. Row i of every pool gets `request_ids[i]`'s
-    entries, exactly `get_block_offsets(request_ids, "cpp")[:, i, :, :width]`
-    (unbacked blocks as page 0's offset, or the guard page's when the pool has
-    one); rows from `num_seqs` on and columns from `width` on are left as they
-    are. As upstream, the first `num_contexts` ids are the context requests and
-    the rest generation requests, `num_seqs == len(request_ids) * beam_width`,
-    and only `beam_width` 1 is supported. Every check runs before the write: on
-    any error `dst_tensor` is unchanged.
-    """
-    ids = list(request_ids)
-    width, width_label = _check_copy_args(self, dst_tensor, ids, beam_width, num_contexts, num_seqs, max_blocks)
-    self._require_caches(ids, "copy_batch_block_offsets")
-    caches = [self._caches[rid] for rid in ids]
+    """Upstream's `copy_batch_block_offsets` after its checks (`check_copy_args`): rows `[0, num_seqs)`
+    and columns `[0, width)` of every pool of `dst_tensor` get the batch's "cpp" offsets."""
     if not num_seqs:
         return
     if dst_tensor.device.type == "cpu":
         # Straight into the caller's tensor: no staging array, and its pages are already faulted in.
-        block_offset_array(self, ids, caches, "cpp", width, width_label, out=dst_tensor[:, :num_seqs, :, :width].numpy())
+        out = dst_tensor[:, :num_seqs, :, :width].numpy()
+        block_offset_array(layout, ids, caches, "cpp", width, width_label, out=out)
     else:
-        dst_tensor[:, :num_seqs, :, :width].copy_(torch.from_numpy(block_offset_array(self, ids, caches, "cpp", width, width_label)))
+        offsets = block_offset_array(layout, ids, caches, "cpp", width, width_label)
+        dst_tensor[:, :num_seqs, :, :width].copy_(torch.from_numpy(offsets))
 
 
-def _check_copy_args(
-    manager: KVCacheManagerV2,
+def check_copy_args(
+    layout: OffsetLayout,
     dst_tensor: torch.Tensor,
     ids: list[int],
     beam_width: int,
@@ -244,7 +231,7 @@ def _check_copy_args(
     max_blocks: int | None,
 ) -> tuple[int, str]:
     """Every argument error of `copy_batch_block_offsets`, before the write; returns the width written."""
-    label = f"{manager.error_label}: copy_batch_block_offsets"
+    label = f"{layout.label}: copy_batch_block_offsets"
     for name, value in (("beam_width", beam_width), ("num_contexts", num_contexts), ("num_seqs", num_seqs)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"{label}: {name} must be an int, got {value!r}")
@@ -258,7 +245,7 @@ def _check_copy_args(
     if not 0 <= num_contexts <= num_seqs:
         raise ValueError(f"{label}: num_contexts={num_contexts} must be between 0 and num_seqs={num_seqs}")
     if max_blocks is None:
-        width, width_label = manager.config.max_blocks_per_seq, f"max_blocks_per_seq={manager.config.max_blocks_per_seq}"
+        width, width_label = layout.max_blocks_per_seq, f"max_blocks_per_seq={layout.max_blocks_per_seq}"
     elif isinstance(max_blocks, bool) or not isinstance(max_blocks, (int, np.integer)) or max_blocks < 0:
         raise ValueError(f"{label}: max_blocks must be an int >= 0 or None, got {max_blocks!r}")
     else:
@@ -268,20 +255,23 @@ def _check_copy_args(
     if dst_tensor.dtype != torch.int32:
         raise ValueError(f"{label}: dst_tensor must be torch.int32, got {dst_tensor.dtype}")
     shape = tuple(dst_tensor.shape)
-    want = f"[num_pools={manager.num_pools}, >= num_seqs={num_seqs}, 2, >= {width}]"
+    want = f"[num_pools={layout.num_pools}, >= num_seqs={num_seqs}, 2, >= {width}]"
     if (
         len(shape) != 4
-        or shape[0] != manager.num_pools
+        or shape[0] != layout.num_pools
         or shape[1] < num_seqs
         or shape[2] != 2
         or shape[3] < width
     ):
         raise ValueError(f"{label}: dst_tensor has shape {list(shape)}, needs {want} ({width_label})")
-    pool_device = torch.device(manager.config.device)
+    pool_device = torch.device(layout.device)
     if dst_tensor.device.type != pool_device.type or (
         pool_device.index is not None and dst_tensor.device.index != pool_device.index
     ):
         raise ValueError(
-            f"{label}: dst_tensor is on {dst_tensor.device}, this manager's pools on {manager.config.device}"
+            f"{label}: dst_tensor is on {dst_tensor.device}, this manager's pools on {layout.device}"
         )
     return width, width_label
+
+
+__all__ = ["OffsetLayout", "block_offset_array", "block_tables", "check_copy_args", "get_block_offsets", "live_width", "write_block_offsets"]

@@ -5,7 +5,6 @@ history plus the space for the step's input above it (its *headroom*).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Iterable, List, Optional, Sequence, Union
 
 import torch
@@ -17,9 +16,11 @@ from ..mapping import Mapping
 from ..request import (LlmRequest, ScheduledRequests, generated_tokens, reused_prefix, set_target_view,
                        skip_reused_prefix, target_view)
 from ..runtime import KVCache, LayerGroup, LifeCycle, PagePool
-from . import accessors, dummies, export, gen_init_reuse, prefix_reuse, rules, upstream_geometry, upstream_init
+from . import accessors, dummies, export, rules, upstream_geometry, upstream_init
 from .buffers import LayerSlot, check_layer, layer_buffer, sequential_layer_slots
-from .diagnostics import KVCacheResizeError, MissingKVCacheError, context_step, pool_diagnostic, resize_error
+from .diagnostics import KVCacheResizeError, MissingKVCacheError, context_step, resize_error
+from .prefix_reuse import PrefixReuse
+from .request_caches import RequestCaches
 
 
 class KVCacheManagerV2:
@@ -39,10 +40,10 @@ class KVCacheManagerV2:
     def __new__(cls, *args: Any, **kwargs: Any) -> "KVCacheManagerV2":
         # Upstream has one class for both sides; a draft manager here is the subclass that holds the
         # mirror policy, so `KVCacheManagerV2(..., is_draft=True)` builds one.
+        # The subclass is found among this class's subclasses rather than imported, so the two
+        # modules do not import each other (the package imports both before any call).
         if cls is KVCacheManagerV2 and kwargs.get("is_draft", False):
-            from .draft_kv_cache_manager import DraftKVCacheManagerV2
-
-            cls = DraftKVCacheManagerV2
+            cls = next(sub for sub in KVCacheManagerV2.__subclasses__() if sub._draft_class)
         return object.__new__(cls)
 
     def __init__(
@@ -186,34 +187,19 @@ class KVCacheManagerV2:
         self.block_reuse = config.enable_block_reuse and (
             mirror_policy is None or mirror_policy.joint_kv_cache_reuse
         )
-        # Managers whose pools a hit must also cover (`pair_joint_reuse`).
-        self._reuse_partners: list[KVCacheManagerV2] = []
-        # Draft windows a target-only hit must stop short of (`keep_drafter_window`), or None.
-        self._drafter_windows: tuple[int | None, ...] | None = None
-        widen = trail_tokens
-        # The geometry that salts every page key of a pool (group index and window join in the chain root).
-        salt = (self.error_label, config.tokens_per_block, config.kv_factor, config.num_kv_heads, config.head_dim,
-                str(config.dtype), trail_tokens)
-        self.layer_groups: list[LayerGroup] = [
-            LayerGroup(
-                LifeCycle(g.window, g.sink_blocks).widened(widen),
-                PagePool(
-                    pages,
-                    tokens_per_block=config.tokens_per_block,
-                    num_layers=g.num_layers,
-                    kv_factor=config.kv_factor,
-                    num_kv_heads=config.num_kv_heads,
-                    head_dim=config.head_dim,
-                    dtype=config.dtype,
-                    device=config.device,
-                    guard_page=config.guard_page,
-                    block_reuse=self.block_reuse,
-                    reuse_salt=salt,
-                ),
-            )
-            for g, pages in zip(config.layer_groups, config.pages_per_group)
-        ]
-        self._caches: dict[int, KVCache] = {}
+        self.layer_groups: list[LayerGroup] = _build_layer_groups(config, self.error_label, trail_tokens, self.block_reuse)
+        #: Every live request's cache (request id -> `KVCache`) and the batch transaction over them.
+        self.caches = RequestCaches(self.layer_groups, self.tokens_per_block, self.error_label)
+        #: Block reuse: hits, adoption, publishing, and the joint partners a hit must also cover.
+        self.prefix_reuse = PrefixReuse(
+            self.caches, self.layer_groups, self.tokens_per_block, self.error_label,
+            enabled=self.block_reuse, follows_target=mirror_policy is not None,
+        )
+        #: What the block-offset export reads of this manager.
+        self.offset_layout = export.OffsetLayout(
+            label=self.error_label, kv_factor=config.kv_factor, max_blocks_per_seq=config.max_blocks_per_seq,
+            device=str(config.device), guard_pages=tuple(g.pool.guard_page_index for g in self.layer_groups),
+        )
         # The V2 scheduler's state: suspended caches (kept, not grown) and each generation
         # step's reserved draft slots (`try_allocate_generation`).
         self._suspended: set[int] = set()
@@ -253,7 +239,8 @@ class KVCacheManagerV2:
         return self.sizing_rules.reads_draft_view
 
     def _mirror_resize_error(
-        self, req_id: int, phase: str, capacity: int, history: int | None, step: str = ""
+        self, req_id: int, phase: str, capacity: int, history: int | None, step: str = "",
+        demand: Sequence[int] | None = None,
     ) -> KVCacheResizeError:
         """The one place resize errors (context, generation, dummy) are built, named as upstream.
 
@@ -269,6 +256,8 @@ class KVCacheManagerV2:
             history=history,
             diagnostic=self.pool_diagnostic(),
             step=step,
+            pages_needed=demand,
+            pages_free=None if demand is None else self.free_pages(),
         )
 
     # -- upstream's accessors (pure parts in manager/accessors.py) ----------------
@@ -312,15 +301,15 @@ class KVCacheManagerV2:
         (page * kv_factor, as `get_block_offsets`). KeyError-like `MissingKVCacheError` for an unknown id."""
         group = 0 if layer_idx is None else check_layer(layer_idx, self.layer_slots, self.error_label).group
         ids = list(request_ids)
-        self._require_caches(ids, "get_batch_cache_indices")
-        rows = [self._caches[rid].block_row(group) for rid in ids]
+        self.caches.require(ids, "get_batch_cache_indices")
+        rows = [self.caches[rid].block_row(group) for rid in ids]
         return accessors.cache_indices(rows, num_blocks_per_seq, scale=self.config.kv_factor if raw_indices else 1)
 
     def get_block_ids_per_seq(self, request_ids: List[int]) -> torch.Tensor:
         """int32 `[B, widest row]` pages of pool 0, 0 for released entries and padding (upstream's layout)."""
         ids = list(request_ids)
-        self._require_caches(ids, "get_block_ids_per_seq")
-        return accessors.block_ids_per_seq([self._caches[rid].block_row(0) for rid in ids])
+        self.caches.require(ids, "get_block_ids_per_seq")
+        return accessors.block_ids_per_seq([self.caches[rid].block_row(0) for rid in ids])
 
     def get_num_available_tokens(
         self, *, token_num_upper_bound: int, batch_size: int = 1, max_num_draft_tokens: int = 0
@@ -349,20 +338,20 @@ class KVCacheManagerV2:
 
     def distinct_pools(self) -> list[PagePool]:
         """Each pool once (layer groups may share one), in group order."""
-        return list({id(p): p for p in self.pools()}.values())
+        return self.caches.distinct_pools()
 
     def free_pages(self) -> tuple[int, ...]:
         return tuple(g.pool.num_free for g in self.layer_groups)
 
     def request_ids(self) -> list[int]:
-        return sorted(self._caches)
+        return self.caches.ids()
 
     def has_cache(self, request_id: int) -> bool:
-        return request_id in self._caches
+        return request_id in self.caches
 
     def get_cache(self, request_id: int) -> KVCache:
         try:
-            return self._caches[request_id]
+            return self.caches[request_id]
         except KeyError:
             raise KeyError(
                 f"{self.error_label}: request {request_id} has no cache here "
@@ -370,98 +359,35 @@ class KVCacheManagerV2:
             ) from None
 
     def pool_diagnostic(self) -> str:
-        return pool_diagnostic(
-            self._caches, self.windows, self.free_pages(), tuple(g.pool.total for g in self.layer_groups)
-        )
+        """Every live cache's capacity, history and blocks, the windows and the free pages per group."""
+        return self.caches.diagnostic()
 
     # -- resizing -----------------------------------------------------------------
-    def _new_cache(self, request_id: int) -> KVCache:
-        return KVCache(
-            self.layer_groups,
-            self.tokens_per_block,
-            name=f"{self.error_label} request {request_id}",
-            owner=request_id,
-        )
-
-    def _resize_or_raise(
-        self, req: LlmRequest, phase: str, sizing
-    ) -> None:
-        """Resize (creating the cache if needed) or raise, leaving nothing behind."""
-        fresh = req.py_request_id not in self._caches
-        cache = self._caches[req.py_request_id] if not fresh else self._new_cache(req.py_request_id)
+    def resize_or_raise(self, req: LlmRequest, phase: str, sizing) -> None:
+        """Size `req`'s cache by `sizing(req, cache) -> (capacity, history)` (absolute tokens), creating
+        it if needed, or raise `KVCacheResizeError` for `phase`, leaving nothing behind."""
+        fresh = req.py_request_id not in self.caches
+        cache = self.caches[req.py_request_id] if not fresh else self.caches.new(req.py_request_id)
         capacity, history = sizing(req, cache)
         if fresh:
-            self._caches[req.py_request_id] = cache
+            self.caches[req.py_request_id] = cache
         try:
             ok = cache.resize(capacity, history)
         except ValueError:
             if fresh:
-                del self._caches[req.py_request_id]
+                del self.caches[req.py_request_id]
             raise
         if not ok:
+            demand = cache.page_demand(capacity, history)
             if fresh:
                 # A fresh cache that got nothing is dropped: no silent half-admitted request.
-                del self._caches[req.py_request_id]
+                del self.caches[req.py_request_id]
             step = ""
             if phase == "context":
                 view = self.sizing_rules.view(req)
                 step = context_step(view.position, view.chunk_size, req.prompt_len,
                                     draft_view=self.sizing_rules.reads_draft_view)
-            raise self._mirror_resize_error(req.py_request_id, phase, capacity, history, step)
-
-    def _missing(self, request_ids: Iterable[int]) -> list[int]:
-        return [rid for rid in request_ids if rid not in self._caches]
-
-    def _require_caches(self, request_ids: Iterable[int], what: str) -> None:
-        """Raise MissingKVCacheError naming every id of `request_ids` this manager holds no cache for."""
-        ids = list(request_ids)
-        missing = self._missing(ids)
-        if missing:
-            named = f"request {missing[0]}" if len(missing) == 1 else f"requests {missing}"
-            raise MissingKVCacheError(
-                f"{self.error_label}: {what} names {named}, that hold(s) no cache here "
-                f"(live requests: {self.request_ids()[:16]}); nothing was changed",
-                request_ids=missing,
-            )
-
-    @contextlib.contextmanager
-    def _batch_transaction(self, request_ids: Iterable[int]):
-        """All or nothing over a batch: on any exception every cache named is put back.
-
-        Caches that did not exist when the transaction began and exist at the
-        failure are freed and dropped; existing ones roll their rows back, and every
-        pool undoes its allocations and releases in reverse (free-list order included).
-        """
-        existing: list[KVCache] = []
-        fresh: list[int] = []
-        for rid in dict.fromkeys(request_ids):
-            cache = self._caches.get(rid)
-            if cache is None:
-                fresh.append(rid)
-            else:
-                cache.begin_journal()  # O(changes) undo, not a copy of every row
-                existing.append(cache)
-        pools = self.distinct_pools()
-        for pool in pools:
-            pool.begin_journal()
-        try:
-            yield
-        except BaseException:
-            for rid in reversed(fresh):
-                cache = self._caches.pop(rid, None)
-                if cache is not None:
-                    cache.free()  # logged too: the pools' rollback undoes it with the rest
-            for cache in reversed(existing):
-                cache.rollback_journal()
-            # Every page back where it was, free-list order included: bit-identical state.
-            for pool in pools:
-                pool.rollback_journal()
-            raise
-        finally:
-            for cache in existing:
-                cache.end_journal()
-            for pool in pools:
-                pool.end_journal()
+            raise self._mirror_resize_error(req.py_request_id, phase, capacity, history, step, demand)
 
     def prepare_resources(self, scheduled_batch: ScheduledRequests) -> None:
         """Size every request's cache for this step (context chunk or generation step).
@@ -476,7 +402,7 @@ class KVCacheManagerV2:
         batch is put back as it was (fresh caches dropped) and the error raised.
         """
         batch = scheduled_batch
-        missing = self._missing(r.py_request_id for r in batch.generation_requests)
+        missing = self.caches.missing(r.py_request_id for r in batch.generation_requests)
         if missing:
             raise MissingKVCacheError(
                 f"Missing {self.missing_label} for generation request "
@@ -490,10 +416,10 @@ class KVCacheManagerV2:
         steps += [(r, "generation", self.sizing_rules.generation) for r in batch.generation_requests]
         views = [(r, target_view(r), reused_prefix(r)) for r in batch.context_requests]
         try:
-            with self._batch_transaction(r.py_request_id for r, _, _ in steps):
-                prefix_reuse.reuse_prefixes(self, batch.context_requests)  # pins every hit before any growth
+            with self.caches.transaction(r.py_request_id for r, _, _ in steps):
+                self.prefix_reuse.reuse_prefixes(batch.context_requests)  # pins every hit before any growth
                 for req, phase, sizing in steps:
-                    self._resize_or_raise(req, phase, sizing)
+                    self.resize_or_raise(req, phase, sizing)
         except BaseException:
             for req, view, reused in views:  # a prefix hit moved the view: put it back
                 set_target_view(req, view.position, view.chunk_size)
@@ -516,8 +442,8 @@ class KVCacheManagerV2:
                 + (f" (and {[r.py_request_id for r in suspended[1:]]})" if len(suspended) > 1 else "")
                 + f": {refusal}\n" + self.pool_diagnostic(),
                 request_id=suspended[0].py_request_id, phase="resume",
-                capacity=self._caches[suspended[0].py_request_id].capacity,
-                history=self._caches[suspended[0].py_request_id].history_length,
+                capacity=self.caches[suspended[0].py_request_id].capacity,
+                history=self.caches[suspended[0].py_request_id].history_length,
             )
         for req in suspended:
             self._suspended.discard(req.py_request_id)
@@ -543,14 +469,14 @@ class KVCacheManagerV2:
         nothing over the rest of the batch.
         """
         reqs = [r for r in scheduled_batch.context_requests if self.is_request_active(r.py_request_id)]
-        with self._batch_transaction(r.py_request_id for r in reqs):
+        with self.caches.transaction(r.py_request_id for r in reqs):
             for req in reqs:
-                cache = self._caches[req.py_request_id]
+                cache = self.caches[req.py_request_id]
                 position = self.sizing_rules.view(req).position
                 if position > cache.history_length:
                     cache.resize(max(cache.capacity, position), position)
                 if self.block_reuse and not req.is_dummy:  # a dummy's placeholder K/V is never published
-                    prefix_reuse.publish_history(self, req, position)
+                    self.prefix_reuse.publish_history(req, position)
         for req in reqs:
             self._capacity_before.pop(req.py_request_id, None)
 
@@ -564,12 +490,22 @@ class KVCacheManagerV2:
         (manager/gen_init_reuse.py). A bad argument still raises ValueError.
         """
         try:
-            gen_init_reuse.prepare_disagg_gen_init(self, req, reused_tokens=reused_tokens)
+            self._size_gen_init(req, reused_tokens)
         except KVCacheResizeError as err:
             self.last_refusal = err
             return False
         self._suspended.discard(req.py_request_id)
         return True
+
+    def _size_gen_init(self, req: LlmRequest, reused_tokens: int) -> None:
+        """Adopt the hit (if any) and grow to the generation-init size, all or nothing; raises."""
+        sizing = self.sizing_rules
+        if not reused_tokens:
+            self.resize_or_raise(req, sizing.disagg_gen_init_phase, sizing.disagg_gen_init)
+            return
+        with self.caches.transaction([req.py_request_id]):
+            self.prefix_reuse.adopt_for_gen_init(req, reused_tokens)
+            self.resize_or_raise(req, sizing.disagg_gen_init_phase, sizing.disagg_gen_init)
 
     def update_resources(
         self, scheduled_batch: ScheduledRequests, attn_metadata: object = None, kv_cache_dtype_byte_size: float = None
@@ -585,9 +521,9 @@ class KVCacheManagerV2:
             r for r in scheduled_batch.all_requests()
             if generated_tokens(r) >= 1 and not r.is_dummy and self.is_request_active(r.py_request_id)
         ]
-        with self._batch_transaction(r.py_request_id for r in reqs):
+        with self.caches.transaction(r.py_request_id for r in reqs):
             for req in reqs:
-                cache = self._caches[req.py_request_id]
+                cache = self.caches[req.py_request_id]
                 history = max(req.max_beam_num_tokens - 1, cache.history_length)
                 if not cache.resize(max(history + 1, 0), history):
                     # Every draft was accepted and the pool has no page for the next token's
@@ -625,12 +561,26 @@ class KVCacheManagerV2:
         than 1 or `encoder_output_lens` is a ValueError. Ours, keyword-only:
         `num_extra_decoding_steps` (a capturable drafting loop's extra steps), `history_hint`.
         """
+        draft = draft_kv_cache_manager
+        if draft is not None and not isinstance(draft, KVCacheManagerV2):
+            raise TypeError(f"draft_kv_cache_manager must be a KVCacheManagerV2, got {type(draft).__name__}")
+        if draft is self:
+            raise ValueError(f"{self.error_label}: draft_kv_cache_manager is this manager itself")
+
+        def add_to_draft() -> None:
+            made = draft.add_dummy_requests(
+                request_ids, token_nums, is_gen, materialize_history, True, max_num_draft_tokens,
+                kv_reserve_draft_tokens, max_beam_width=max_beam_width, history_hint=history_hint,
+            )
+            if made is None:
+                raise draft.last_refusal
+
         try:
             return dummies.add_dummies(
                 self, request_ids, token_nums, is_gen=is_gen, materialize_history=materialize_history,
                 prepare_resource=prepare_resource, max_num_draft_tokens=max_num_draft_tokens,
                 kv_reserve_draft_tokens=kv_reserve_draft_tokens, max_beam_width=max_beam_width,
-                encoder_output_lens=encoder_output_lens, draft_kv_cache_manager=draft_kv_cache_manager,
+                encoder_output_lens=encoder_output_lens, add_to_draft=None if draft is None else add_to_draft,
                 num_extra_decoding_steps=num_extra_decoding_steps, history_hint=history_hint,
             )
         except KVCacheResizeError as err:
@@ -645,11 +595,11 @@ class KVCacheManagerV2:
     # no host tier here: a suspended cache keeps its pages and is not grown or updated.
     def is_request_active(self, request_id: int) -> bool:
         """The request holds a cache here and it is not suspended."""
-        return request_id in self._caches and request_id not in self._suspended
+        return request_id in self.caches and request_id not in self._suspended
 
     def get_history_length(self, req: LlmRequest) -> int | None:
         """Tokens of the request's cache that are history only (None: no cache here)."""
-        cache = self._caches.get(req.py_request_id)
+        cache = self.caches.get(req.py_request_id)
         return None if cache is None else cache.history_length
 
     def prepare_context_cache(self, req: LlmRequest, reuse_limit: int | None = None) -> int | None:
@@ -657,17 +607,17 @@ class KVCacheManagerV2:
         `reuse_limit` tokens), resumed if suspended. Returns the prefix it holds from a hit (tokens; 0
         without), never moves the request's view. Refused requests: None (`last_refusal` says why)."""
         rid = req.py_request_id
-        if rid not in self._caches:
+        if rid not in self.caches:
             hit = self.find_prefix_hit(req) if self._mirror_policy is None and not req.is_dummy else 0
             if reuse_limit is not None:
                 hit = min(hit, max(0, reuse_limit) // self.tokens_per_block * self.tokens_per_block)
             if hit:
-                prefix_reuse.adopt(self, req, hit, prefix_reuse.lookup(self, req, hit // self.tokens_per_block))
+                self.prefix_reuse.adopt(req, hit, self.prefix_reuse.lookup(req, hit // self.tokens_per_block))
             else:
-                self._caches[rid] = self._new_cache(rid)
+                self.caches[rid] = self.caches.new(rid)
         if not self.resume_request(req):
             return None
-        return self._caches[rid].committed
+        return self.caches[rid].committed
 
     def prepare_context(self, req: LlmRequest) -> bool:
         """`prepare_context_cache`, then a first chunk starts past the prefix it reused."""
@@ -687,10 +637,11 @@ class KVCacheManagerV2:
     def _grow_or_refuse(self, req: LlmRequest, phase: str, capacity: int, history: int | None) -> bool:
         """Resize the request's cache up to `capacity` (never down); False with `last_refusal` set, the
         cache as it was, when the pool cannot. The capacity before is kept for the reverts."""
-        cache = self._caches[req.py_request_id]
+        cache = self.caches[req.py_request_id]
         before = cache.capacity
         if not cache.resize(max(capacity, before), history):
-            self.last_refusal = self._mirror_resize_error(req.py_request_id, phase, capacity, history)
+            demand = cache.page_demand(max(capacity, before), history)
+            self.last_refusal = self._mirror_resize_error(req.py_request_id, phase, capacity, history, demand=demand)
             return False
         self._capacity_before.setdefault(req.py_request_id, before)
         return True
@@ -698,7 +649,7 @@ class KVCacheManagerV2:
     def resize_context(self, req: LlmRequest, num_tokens: int) -> bool:
         """Room for the next `num_tokens` prompt tokens from the view's position (the extra tokens
         too, the drafts on the last chunk). False when the pool cannot (the cache as it was)."""
-        cache = self._caches.get(req.py_request_id)
+        cache = self.caches.get(req.py_request_id)
         if cache is None or num_tokens < 0:
             raise ValueError(
                 f"{self.error_label}: resize_context for request {req.py_request_id} with {num_tokens} tokens "
@@ -716,9 +667,9 @@ class KVCacheManagerV2:
         """Room for a generation step (new token, drafts, extra). False: no cache, suspended and not
         resumable, or the pool cannot (the cache as it was)."""
         rid = req.py_request_id
-        if rid not in self._caches or not self.resume_request(req):
+        if rid not in self.caches or not self.resume_request(req):
             return False
-        capacity, history = self.sizing_rules.generation(req, self._caches[rid])
+        capacity, history = self.sizing_rules.generation(req, self.caches[rid])
         if not self._grow_or_refuse(req, "generation", capacity, history):
             return False
         self._allocated_draft_lens[rid] = len(req.py_draft_tokens)
@@ -735,12 +686,12 @@ class KVCacheManagerV2:
         """Undo this step's context growth and suspend the cache. True: the cache is kept; False: it
         had nothing before this step and is dropped (the request starts over)."""
         rid = req.py_request_id
-        if rid not in self._caches:
+        if rid not in self.caches:
             return False
         self._shrink_back(rid)
-        cache = self._caches[rid]
+        cache = self.caches[rid]
         if cache.num_blocks == 0 and cache.committed == 0:
-            del self._caches[rid]
+            del self.caches[rid]
             cache.free()
             return False
         self.suspend_request(req)
@@ -748,7 +699,7 @@ class KVCacheManagerV2:
 
     def _shrink_back(self, rid: int) -> None:
         before = self._capacity_before.pop(rid, None)
-        cache = self._caches[rid]
+        cache = self.caches[rid]
         if before is not None and before < cache.capacity:
             cache.resize(max(before, cache.history_length), None)
 
@@ -756,22 +707,22 @@ class KVCacheManagerV2:
         """Grow a generation step's room to the request's drafts now (after padding for a CUDA graph
         added some). Raises the explicit `KVCacheResizeError` if the pool cannot."""
         rid = request.py_request_id
-        self._require_caches([rid], "extend_capacity_for_tokens")
-        capacity, history = self.sizing_rules.generation(request, self._caches[rid])
+        self.caches.require([rid], "extend_capacity_for_tokens")
+        capacity, history = self.sizing_rules.generation(request, self.caches[rid])
         if not self._grow_or_refuse(request, "generation", capacity, history):
             raise self.last_refusal
         self._allocated_draft_lens[rid] = len(request.py_draft_tokens)
 
     def suspend_request(self, req: LlmRequest) -> None:
         """Stop growing and updating the request's cache (its pages stay: there is no host tier)."""
-        if req.py_request_id in self._caches:
+        if req.py_request_id in self.caches:
             self._suspended.add(req.py_request_id)
 
     def resume_request(self, req: LlmRequest) -> bool:
         """Make a suspended cache active again. False: no cache here, or the tightest pool is fuller
         than `KvCacheConfig.max_util_for_resume` (upstream's pressure rule; `last_refusal` says so)."""
         rid = req.py_request_id
-        if rid not in self._caches:
+        if rid not in self.caches:
             return False
         if rid not in self._suspended:
             return True
@@ -779,8 +730,8 @@ class KVCacheManagerV2:
         if refusal is not None:
             self.last_refusal = KVCacheResizeError(
                 f"{self.error_label}: request {rid} stays suspended: {refusal}\n" + self.pool_diagnostic(),
-                request_id=rid, phase="resume", capacity=self._caches[rid].capacity,
-                history=self._caches[rid].history_length,
+                request_id=rid, phase="resume", capacity=self.caches[rid].capacity,
+                history=self.caches[rid].history_length,
             )
             return False
         self._suspended.discard(rid)
@@ -791,24 +742,34 @@ class KVCacheManagerV2:
         slots here (block offsets are exported per call), so nothing to do."""
 
     # -- block reuse (manager/prefix_reuse.py) ----------------------------------------------
-    find_prefix_hit = prefix_reuse.find_prefix_hit
-    pair_joint_reuse = prefix_reuse.pair_joint_reuse
-    keep_drafter_window = prefix_reuse.keep_drafter_window
-    find_gen_init_hit = gen_init_reuse.find_gen_init_hit
-    publish_gen_init = gen_init_reuse.publish_gen_init
+    def find_prefix_hit(self, req: LlmRequest) -> int:
+        """Tokens of `req`'s prompt, from position 0, this manager (and its joint partners) can reuse:
+        a whole number of pages, at least one prompt token left to compute. Changes nothing."""
+        return self.prefix_reuse.find_hit(req)
 
-    def _prefix_error(self, req: LlmRequest, tokens: int, group: int, missing: list[int]) -> KVCacheResizeError:
-        """A mirror told to reuse `tokens` whose pool lacks published pages (block ordinals `missing`)."""
-        return KVCacheResizeError(
-            f"{self.error_label} context resize failed for request {req.py_request_id}: it reuses {tokens} "
-            f"prompt tokens but layer group {group} of this pool has no published page for block ordinals "
-            f"{missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)} missing; a hit must be found with "
-            "pair_joint_reuse and adopted in the same step)\n" + self.pool_diagnostic(),
-            request_id=req.py_request_id,
-            phase="context",
-            capacity=tokens,
-            history=tokens,
-        )
+    def pair_joint_reuse(self, draft_manager: "KVCacheManagerV2") -> None:
+        """Make this target manager's hits joint with `draft_manager`'s pool (`joint_kv_cache_reuse`):
+        a hit then counts only pages both pools hold (`PrefixReuse.pair_with`)."""
+        self.prefix_reuse.pair_with(draft_manager.prefix_reuse)
+
+    def is_paired_with(self, draft_manager: "KVCacheManagerV2") -> bool:
+        """Has `pair_joint_reuse(draft_manager)` made this manager's hits joint with that pool?"""
+        return draft_manager.prefix_reuse in self.prefix_reuse.partners
+
+    def keep_drafter_window(self, draft_manager: "KVCacheManagerV2") -> None:
+        """Target-only reuse with a drafter whose pool does not reuse: every hit stops short of the
+        draft pool's windows (`PrefixReuse.keep_drafter_window`)."""
+        windows = tuple(g.window for g in draft_manager.config.layer_groups)
+        self.prefix_reuse.keep_drafter_window(draft_manager.prefix_reuse, windows)
+
+    def find_gen_init_hit(self, req: LlmRequest) -> int:
+        """Tokens of `req`'s prompt a generation-init cache can adopt here (`PrefixReuse.find_gen_init_hit`)."""
+        return self.prefix_reuse.find_gen_init_hit(req)
+
+    def publish_gen_init(self, req: LlmRequest, *, written_from: int = 0) -> int:
+        """After a generation worker wrote a new request's prompt K/V, publish its whole prompt pages;
+        returns how many (`PrefixReuse.publish_gen_init`)."""
+        return self.prefix_reuse.publish_gen_init(req, written_from=written_from)
 
     def free_resources(
         self, request: "LlmRequest | int | ScheduledRequests | Iterable[LlmRequest | int]", pin_on_release: bool = False
@@ -822,7 +783,7 @@ class KVCacheManagerV2:
         and has nothing to pin here: published pages stay cached-free either way.
         """
         if hasattr(request, "py_request_id"):
-            if request.py_request_id not in self._caches:
+            if request.py_request_id not in self.caches:
                 return
             items: list = [request]
         elif isinstance(request, ScheduledRequests):
@@ -832,7 +793,7 @@ class KVCacheManagerV2:
         else:
             items = list(request)
         ids = [r if isinstance(r, int) else r.py_request_id for r in items]
-        missing = self._missing(ids)
+        missing = self.caches.missing(ids)
         if missing or len(set(ids)) != len(ids):
             bad = missing or sorted({i for i in ids if ids.count(i) > 1})
             what = "it holds no cache (never added, or already freed)" if missing else "it is named twice"
@@ -843,15 +804,57 @@ class KVCacheManagerV2:
                 request_ids=bad,
             )
         for rid in ids:
-            self._caches.pop(rid).free()
+            self.caches.pop(rid).free()
             self._suspended.discard(rid)
             self._allocated_draft_lens.pop(rid, None)
             self._capacity_before.pop(rid, None)
 
-    # -- export -----------------------------------------------------------------
-    get_block_offsets = export.get_block_offsets
-    block_tables = export.block_tables
-    copy_batch_block_offsets = export.copy_batch_block_offsets
+    # -- export (manager/export.py) ---------------------------------------------------------
+    def get_block_offsets(
+        self, request_ids: Iterable[int], backend: str = "cpp", *, width: int | str | None = None
+    ) -> torch.Tensor:
+        """int32 `[num_pools, B, 2, width]` block offsets by block ordinal: `page * kv_factor + k`
+        (K at k=0, V at k=1). Unbacked: -1 (`"python"`), page 0's or the guard page's offset
+        (`"cpp"`). `width`: None (`max_blocks_per_seq`), `"live"` or an int (`export.get_block_offsets`)."""
+        ids = list(request_ids)
+        return export.get_block_offsets(self.offset_layout, ids, [self.get_cache(r) for r in ids], backend, width=width)
+
+    def block_tables(
+        self, request_ids: Iterable[int], backend: str = "cpp", *, width: int | str | None = "live"
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per pool, `(tables int32 [B, width], extents int64 [B])`: block ordinal -> page, what
+        decoding `get_block_offsets` yields without the offsets (`export.block_tables`)."""
+        ids = list(request_ids)
+        return export.block_tables(self.offset_layout, ids, [self.get_cache(r) for r in ids], backend, width=width)
+
+    def copy_batch_block_offsets(
+        self,
+        dst_tensor: torch.Tensor,
+        request_ids: Iterable[int],
+        beam_width: int,
+        num_contexts: int,
+        num_seqs: int,
+        max_blocks: int | None = None,
+    ) -> None:
+        """Upstream's call: write the batch's block offsets into `dst_tensor`, in place.
+
+        `dst_tensor` is the caller's int32 `[num_pools, >= num_seqs, 2, >= width]`
+        tensor on this manager's device, `width` being `max_blocks` or else
+        `config.max_blocks_per_seq`. Row i of every pool gets `request_ids[i]`'s
+        entries, exactly `get_block_offsets(request_ids, "cpp")[:, i, :, :width]`
+        (unbacked blocks as page 0's offset, or the guard page's when the pool has
+        one); rows from `num_seqs` on and columns from `width` on are left as they
+        are. As upstream, the first `num_contexts` ids are the context requests and
+        the rest generation requests, `num_seqs == len(request_ids) * beam_width`,
+        and only `beam_width` 1 is supported. Every check runs before the write: on
+        any error `dst_tensor` is unchanged.
+        """
+        ids = list(request_ids)
+        width, label = export.check_copy_args(
+            self.offset_layout, dst_tensor, ids, beam_width, num_contexts, num_seqs, max_blocks
+        )
+        caches = self.caches.require(ids, "copy_batch_block_offsets")
+        export.write_block_offsets(self.offset_layout, dst_tensor, ids, caches, num_seqs, width, label)
 
     def check_accounting(self) -> None:
         """Every pool balances (held + cached-free + free = total), and every held page is in exactly
@@ -860,7 +863,7 @@ class KVCacheManagerV2:
             pool = group.pool
             pool.check_accounting()
             holders: dict[int, list[int]] = {}
-            for rid, cache in self._caches.items():
+            for rid, cache in self.caches.items():
                 for page in cache.held_pages(p):
                     holders.setdefault(page, []).append(rid)
             for page, rids in holders.items():
@@ -875,3 +878,32 @@ class KVCacheManagerV2:
                 raise AssertionError(
                     f"pool {p}: caches hold {len(holders)} pages but the pool counts {pool.num_held} held"
                 )
+
+
+def _build_layer_groups(config: KVPoolConfig, label: str, trail_tokens: int, block_reuse: bool) -> list[LayerGroup]:
+    """One `PagePool` per layer group of `config`, each window widened by `trail_tokens` (the trail page).
+
+    Every pool's prefix keys are salted by the geometry (`label`, page size, K/V
+    layout, dtype, trail), so pools of different geometry never share a chain.
+    """
+    salt = (label, config.tokens_per_block, config.kv_factor, config.num_kv_heads, config.head_dim,
+            str(config.dtype), trail_tokens)
+    return [
+        LayerGroup(
+            LifeCycle(g.window, g.sink_blocks).widened(trail_tokens),
+            PagePool(
+                pages,
+                tokens_per_block=config.tokens_per_block,
+                num_layers=g.num_layers,
+                kv_factor=config.kv_factor,
+                num_kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim,
+                dtype=config.dtype,
+                device=config.device,
+                guard_page=config.guard_page,
+                block_reuse=block_reuse,
+                reuse_salt=salt,
+            ),
+        )
+        for g, pages in zip(config.layer_groups, config.pages_per_group)
+    ]

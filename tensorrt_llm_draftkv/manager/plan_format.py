@@ -1,9 +1,9 @@
 """The planner's text: byte sizes, a pool's table, and the block-reuse savings line.
 
-`planner` computes the numbers (`plan_pool`, `prefix_reuse_savings`); this module
-only turns its reports into the lines `python -m tensorrt_llm_draftkv plan`
-prints, so the arithmetic and its presentation stay apart. It holds no state;
-`planner` re-exports every public name here, so callers import them from there.
+`planner` (`plan_pool`) and `reuse_savings` (`prefix_reuse_savings`) compute the
+numbers; this module only turns their reports into the lines
+`python -m tensorrt_llm_draftkv plan` prints, so the arithmetic and its
+presentation stay apart. It holds no state.
 """
 from __future__ import annotations
 

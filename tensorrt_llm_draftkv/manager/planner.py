@@ -32,9 +32,6 @@ from .budget import (
     max_concurrency,
     pages_for_quota,
 )
-# Re-exported: callers import the report text and the reuse savings from here.
-from .plan_format import format_bytes, format_report, format_savings  # noqa: F401
-from .reuse_savings import ReuseSavings, prefix_reuse_savings  # noqa: F401
 
 GIB = 1 << 30
 

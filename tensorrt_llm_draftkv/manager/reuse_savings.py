@@ -3,8 +3,8 @@
 A request whose prompt starts with an already-computed prefix shares that
 prefix's whole pages instead of allocating them, and skips their prefill. This
 module counts those pages and bytes per layer group for a `PoolGeometry` (see
-docs/block_reuse.md); it is kept apart from the capacity planning in `planner`,
-which re-exports both names here. The text form is `plan_format.format_savings`.
+docs/block_reuse.md); it is kept apart from the capacity planning in `planner`.
+The text form is `plan_format.format_savings`.
 """
 from __future__ import annotations
 

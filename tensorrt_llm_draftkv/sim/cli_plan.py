@@ -26,18 +26,9 @@ from ..config import (
     window_problem,
 )
 from .cli_simulate import UsageError, check_output_path, page_size, usage_fail
-from ..manager.planner import (
-    PoolGeometry,
-    PoolReport,
-    format_bytes,
-    format_report,
-    format_savings,
-    GIB,
-    gib_to_bytes,
-    plan_pool,
-    prefix_reuse_savings,
-    trail_tokens_for,
-)
+from ..manager.plan_format import format_bytes, format_report, format_savings
+from ..manager.planner import GIB, PoolGeometry, PoolReport, gib_to_bytes, plan_pool, trail_tokens_for
+from ..manager.reuse_savings import prefix_reuse_savings
 
 PROG = "python -m tensorrt_llm_draftkv plan"
 

@@ -147,7 +147,7 @@ def generation_hit(offer: Offer, executor) -> GenHit:
     req = LlmRequest(offer.request_id, prompt_len=offer.prompt_len, tokens=offer.tokens.tolist(),
                      state=LlmRequestState.DISAGG_GENERATION_INIT)
     hit = tm.find_gen_init_hit(req)
-    joint = dm is not None and dm.block_reuse and dm in tm._reuse_partners
+    joint = dm is not None and dm.block_reuse and tm.is_paired_with(dm)
     return GenHit(offer.request_id, hit, hit if joint else 0)
 
 

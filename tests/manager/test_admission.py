@@ -86,7 +86,7 @@ BIG = dict(p=32, d=7, e=8, max_seq_len=524288 + 1024)
 
 @pytest.mark.parametrize("mode", [Mode.DSPARK, Mode.DFLASH])
 def test_a_trail_mirror_first_seen_off_the_chunk_grid_is_refused_with_the_numbers(mode):
-    probe = manager((4096,), 0, mode=mode, **BIG)
+    probe = manager((4096,), 4096, mode=mode, **BIG)
     assert probe.windows == (4096 + 32,)  # the trail page
     charge = probe.pages_per_request_charge(8192)
     assert charge == (386,)
@@ -114,13 +114,13 @@ def test_a_trail_mirror_first_seen_off_the_chunk_grid_is_refused_with_the_number
     # The unaligned charge allows every start: 387 pages, and the request is admitted.
     unaligned = probe.pages_per_request_charge(8192, aligned=False)
     assert unaligned == (387,)
-    probe.check_admission(req, chunk=8192, charge=unaligned)
+    big.check_admission(req, chunk=8192, charge=unaligned)
 
 
 def test_the_simulators_draft_charge_is_the_managers():
     setup = SimSetup()
     assert draft_pages_per_request(setup) == 386
-    mgr = manager((setup.draft_window,), 0, mode=setup.drafter, p=setup.tokens_per_block, d=setup.max_draft_len,
+    mgr = manager((setup.draft_window,), 4096, mode=setup.drafter, p=setup.tokens_per_block, d=setup.max_draft_len,
                   e=setup.draft_extra_tokens, max_seq_len=setup.max_seq_len)
     assert mgr.pages_per_request_charge(setup.chunk) == (386,)
     # Requests on the chunk grid are admitted: from 0, and from a start on the grid.
@@ -149,7 +149,7 @@ SMALL = dict(p=16, d=3, e=1, max_seq_len=4096)
 
 @pytest.mark.parametrize("mode", [Mode.PARD, Mode.DRAFT_TARGET_ONE_MODEL])
 def test_an_old_sizing_mirror_first_seen_past_zero_is_refused_with_the_numbers(mode):
-    probe = manager((64,), 0, mode=mode, **SMALL)
+    probe = manager((64,), 4096, mode=mode, **SMALL)
     charge = probe.pages_per_request_charge(32)
     assert charge == (7,)
     req = LlmRequest(12, prompt_len=400, target_view=ContextView(144, 32))
@@ -168,8 +168,8 @@ def test_an_old_sizing_mirror_first_seen_past_zero_is_refused_with_the_numbers(m
         mgr.prepare_resources(ctx(req))
     # The same request is covered when the pool joins the target's block reuse (history = start),
     # and for DFlash (history = start, one trail page charged).
-    manager((64,), 0, mode=mode, joint=True, **SMALL).check_admission(req, chunk=32)
-    manager((64,), 0, mode=Mode.DFLASH, **SMALL).check_admission(req, chunk=32)
+    manager((64,), 4096, mode=mode, joint=True, **SMALL).check_admission(req, chunk=32)
+    manager((64,), 4096, mode=Mode.DFLASH, **SMALL).check_admission(req, chunk=32)
 
 
 def test_a_full_attention_group_generating_up_to_max_seq_len_is_refused():
@@ -200,7 +200,7 @@ def test_a_legacy_generation_init_mirror_is_refused_naming_the_legacy_rules():
 
 
 def test_only_new_requests_are_checked():
-    mgr = manager((64,), 0, mode=Mode.DFLASH, **SMALL)
+    mgr = manager((64,), 4096, mode=Mode.DFLASH, **SMALL)
     req = LlmRequest(1, prompt_len=10, state=LlmRequestState.GENERATION_IN_PROGRESS)
     with pytest.raises(ValueError, match="request 1"):
         mgr.check_admission(req, chunk=32)
@@ -346,8 +346,8 @@ def drive(mgr: DraftKVCacheManagerV2, case) -> tuple[list[int], list[int]]:
 def test_admitted_requests_fit_a_pool_of_the_charge_and_refusals_are_real(case):
     kw = dict(p=case["p"], mode=case["mode"], d=case["d"], e=case["e"], sinks=case["sinks"],
               max_seq_len=case["max_seq_len"], joint=case["joint"], sizing=case["sizing"])
-    probe = manager(case["windows"], 0, **kw)
-    charge = probe.pages_per_request_charge(case["chunk"])
+    charge = manager(case["windows"], 0, **kw).pages_per_request_charge(case["chunk"])
+    probe = manager(case["windows"], charge, **kw)  # admission answers for a pool of exactly the charge
     req = LlmRequest(
         1,
         prompt_len=case["prompt"],

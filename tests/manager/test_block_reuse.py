@@ -127,7 +127,7 @@ def test_a_windowed_hit_fails_when_the_lru_evicted_a_window_page():
     mgr = KVCacheManagerV2.from_pool_config(config(groups=((8, 0),), pages=16))
     pool = mgr.pools()[0]
     tokens = list(range(200, 241))  # 41 tokens: the cap is 10 pages
-    keys = mgr._new_cache(2).prefix_keys(0, tokens, 10)
+    keys = mgr.caches.new(2).keys.chain(0, tokens, 10)
     p7, p8, p9 = pool.allocate(3, owner="seed")
     for page, key in zip((p7, p8, p9), keys[7:10]):
         pool.publish(page, key)
@@ -153,7 +153,7 @@ def test_the_hit_ignores_evicted_low_pages_of_a_window_group():
     for groups, expected in (((8, 0),), 40), (((None, 0),), 0):
         mgr = KVCacheManagerV2.from_pool_config(config(groups=groups, pages=16))
         pool = mgr.pools()[0]
-        keys = mgr._new_cache(1).prefix_keys(0, tokens, 10)
+        keys = mgr.caches.new(1).keys.chain(0, tokens, 10)
         pages = pool.allocate(2, owner="seed")
         for page, key in zip(pages, keys[8:10]):
             pool.publish(page, key)
@@ -190,7 +190,7 @@ def test_joint_reuse_shares_the_drafters_prefix_pages_in_the_draft_pool():
     assert all(full.is_shared(p) and not full.is_writable(p) for p in d2.block_row(1)[:7])
     assert all(full.is_writable(p) for p in d2.block_row(1)[7:] if not full.is_published(p))
     # The draft keys are salted by the draft pool's geometry: the same tokens, other keys.
-    assert d2.prefix_keys(1, second.tokens, 7) != target.get_cache(2).prefix_keys(0, second.tokens, 7)
+    assert d2.keys.chain(1, second.tokens, 7) != target.get_cache(2).keys.chain(0, second.tokens, 7)
     for rid in (1, 2):
         target.free_resources(rid)
         draft.free_resources(rid)
@@ -281,7 +281,7 @@ def test_a_refused_batch_puts_back_the_hit_the_views_and_every_pool():
 
 
 def test_a_failed_update_unpublishes_what_it_published(monkeypatch):
-    from tensorrt_llm_draftkv.manager import prefix_reuse
+    from tensorrt_llm_draftkv.manager.prefix_reuse import PrefixReuse
 
     mgr = KVCacheManagerV2.from_pool_config(config())
     reqs = [request(1, PREFIX + [1]), request(2, [5] * 20)]
@@ -290,19 +290,19 @@ def test_a_failed_update_unpublishes_what_it_published(monkeypatch):
     for req in reqs:
         req.advance_context_chunk(8)
     before = ([p.state() for p in mgr.pools()], [mgr.get_cache(r).checkpoint() for r in (1, 2)])
-    real = prefix_reuse.publish_history
+    real = PrefixReuse.publish_history
 
     def fail_on_two(self, req, position):
         real(self, req, position)  # request 1 publishes its first two pages, then request 2 fails
         if req.py_request_id == 2:
             raise RuntimeError("executor died")
 
-    monkeypatch.setattr(prefix_reuse, "publish_history", fail_on_two)
+    monkeypatch.setattr(PrefixReuse, "publish_history", fail_on_two)
     with pytest.raises(RuntimeError, match="executor died"):
         mgr.update_context_resources(batch)
     assert ([p.state() for p in mgr.pools()], [mgr.get_cache(r).checkpoint() for r in (1, 2)]) == before
-    assert mgr.pools()[0].prefix.num_published == 0 and mgr.get_cache(1)._keys[0] == []
-    monkeypatch.setattr(prefix_reuse, "publish_history", real)
+    assert mgr.pools()[0].prefix.num_published == 0 and mgr.get_cache(1).keys.num_known(0) == 0
+    monkeypatch.setattr(PrefixReuse, "publish_history", real)
     mgr.update_context_resources(batch)
     assert mgr.pools()[0].prefix.num_published == 4 and mgr.get_cache(1).committed == 8
     check(mgr)
@@ -346,7 +346,9 @@ def test_with_reuse_a_request_holds_no_more_unique_pages_than_without_and_stays_
 def test_prefix_reuse_savings_per_pool():
     import torch
 
-    from tensorrt_llm_draftkv.manager.planner import PoolGeometry, format_savings, prefix_reuse_savings
+    from tensorrt_llm_draftkv.manager.plan_format import format_savings
+    from tensorrt_llm_draftkv.manager.planner import PoolGeometry
+    from tensorrt_llm_draftkv.manager.reuse_savings import prefix_reuse_savings
 
     geometry = PoolGeometry(
         (LayerGroupConfig(5, window=4096), LayerGroupConfig(2, window=None)), num_kv_heads=4, head_dim=128,
@@ -451,7 +453,7 @@ def test_a_joint_hit_checks_the_drafters_window_with_its_trail_page():
     assert draft.windows == (12,)
     prefill(request(1, PREFIX + [1, 2, 3], chunk=16), target, draft, chunk=16)
     second = request(2, PREFIX + [5, 6, 7], chunk=16)
-    found = prefix_reuse.lookup(draft, second, 7)
+    found = draft.prefix_reuse.lookup(second, 7)
     present = found.present()
     assert present[0][4] is False and present[0][5] and present[0][6]
     assert longest_valid_prefix([(8, 0)], present, 7, P) == 7  # what the window without its trail page would take

@@ -57,7 +57,8 @@ from tensorrt_llm_draftkv import (
     ScheduledRequests,
     SpeculativeDecodingMode,
 )
-from tensorrt_llm_draftkv.manager import budget
+from tensorrt_llm_draftkv.manager import budget, rules
+from tensorrt_llm_draftkv.manager.rules import step_headroom
 from tensorrt_llm_draftkv.manager.budget import (
     bytes_per_page,
     bytes_per_token,
@@ -67,7 +68,6 @@ from tensorrt_llm_draftkv.manager.budget import (
     max_tokens_to_quota,
     pages_for_quota,
     quota_to_max_tokens,
-    step_headroom,
     windowed_pages_per_request,
 )
 from support import ceil_div
@@ -462,4 +462,4 @@ def test_step_headroom():
     assert step_headroom(8192, 7, 0) == 8199
     assert step_headroom(0, 3, 1) == 5  # a generation step dominates an empty chunk
     assert step_headroom(1, 0, 0) == 1
-    assert budget.step_headroom(16, 2, 3) == 21
+    assert rules.step_headroom(16, 2, 3) == 21

@@ -22,6 +22,7 @@ from tensorrt_llm_draftkv import (
     SpeculativeDecodingMode as Mode,
 )
 from tensorrt_llm_draftkv.__main__ import main as cli_main
+from tensorrt_llm_draftkv.manager.rules import step_headroom
 from tensorrt_llm_draftkv.manager.budget import (
     AffineCost,
     bytes_per_page,
@@ -32,11 +33,11 @@ from tensorrt_llm_draftkv.manager.budget import (
     pages_for_quota,
     quota_to_max_tokens,
     split_budget,
-    step_headroom,
     trail_cost,
     windowed_pages_per_request,
 )
-from tensorrt_llm_draftkv.manager.planner import PoolGeometry, format_report, plan_pool, trail_tokens_for
+from tensorrt_llm_draftkv.manager.plan_format import format_report
+from tensorrt_llm_draftkv.manager.planner import PoolGeometry, plan_pool, trail_tokens_for
 from tensorrt_llm_draftkv.request import ContextView
 from support import ceil_div
 

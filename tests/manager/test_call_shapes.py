@@ -365,7 +365,7 @@ def test_request_context_switches_what_a_legacy_mirror_is_sized_from():
     draft = make_draft("dflash", "legacy", draft=2, window=None)
     req = legacy_request()
     batch = ScheduledRequests(context_requests=[req])
-    cache = draft._new_cache(1)
+    cache = draft.caches.new(1)
     # outside any block the request presents its target view, and so the legacy mirror reads it
     assert draft.sizing_rules.view(req) == ContextView(32, 16)
     assert draft.sizing_rules.context(req, cache) == (32 + 16, None)

@@ -90,7 +90,7 @@ def record(monkeypatch):
             logs.setdefault(request_id, [])
             return RecordingCache(mgr.layer_groups, mgr.tokens_per_block, log=logs[request_id])
 
-        monkeypatch.setattr(mgr, "_new_cache", new_cache)
+        monkeypatch.setattr(mgr.caches, "new", new_cache)
         return logs
 
     return attach

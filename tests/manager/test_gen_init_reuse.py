@@ -45,7 +45,7 @@ def serve(mgr: KVCacheManagerV2, rid: int, prompt: list[int], *others: KVCacheMa
 
 def snapshot(*managers) -> tuple:
     return tuple(
-        (tuple(p.state() for p in m.pools()), tuple(sorted((rid, c.checkpoint()) for rid, c in m._caches.items())))
+        (tuple(p.state() for p in m.pools()), tuple(sorted((rid, c.checkpoint()) for rid, c in m.caches.items())))
         for m in managers
     )
 

@@ -24,7 +24,7 @@ from tensorrt_llm_draftkv import (
     ScheduledRequests,
     request_context,
 )
-from tensorrt_llm_draftkv.manager.budget import step_headroom
+from tensorrt_llm_draftkv.manager.rules import step_headroom
 
 
 def make_mgr(window=8, sinks=0, p=4, pages=(64, 64), draft=0, extra=0, guard=False, max_seq_len=256, kv_factor=2):

@@ -13,7 +13,8 @@ import torch
 from tensorrt_llm_draftkv.__main__ import main
 from tensorrt_llm_draftkv.config import LayerGroupConfig, SpeculativeDecodingMode
 from tensorrt_llm_draftkv.manager.budget import bytes_per_page, group_pages_per_request
-from tensorrt_llm_draftkv.manager.planner import PoolGeometry, format_bytes, plan_pool, trail_tokens_for
+from tensorrt_llm_draftkv.manager.plan_format import format_bytes
+from tensorrt_llm_draftkv.manager.planner import PoolGeometry, plan_pool, trail_tokens_for
 
 WORKED = [
     "plan",

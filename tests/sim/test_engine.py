@@ -452,8 +452,8 @@ def test_executor_through_interpreted_triton_kernels(monkeypatch):
     from tensorrt_llm_draftkv.kernels import _dispatch
 
     launches = []
-    launch = _dispatch._launch
-    monkeypatch.setattr(_dispatch, "_launch", lambda name, *a, **k: (launches.append(name), launch(name, *a, **k))[1])
+    launch = _dispatch.launch
+    monkeypatch.setattr(_dispatch, "launch", lambda name, *a, **k: (launches.append(name), launch(name, *a, **k))[1])
     keys = random_keys(20, 2, lo=200, hi=600)
     run = run_aggregated(replace(SMALL, max_new_tokens=24), HISTORY, keys, concurrency=2)
     assert launches, "the executor went through the Triton kernels"

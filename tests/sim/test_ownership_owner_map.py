@@ -9,7 +9,7 @@ that decided ownership from the rows:
   by a read or write through that entry, and by `check_export` of the export
   built from it;
 * a pool that hands out a held page again is an accounting error;
-* a rolled-back batch (restore through `take`) leaves the map equal to the rows;
+* a rolled-back batch (the pools' journals undo it) leaves the map equal to the rows;
 * freeing every request empties the map; a corrupted export tensor is caught;
 * the clean drafter scenarios stay clean under every check.
 
@@ -109,7 +109,7 @@ def _write(chk: OwnershipChecker, rid: int, group: int, ordinal: int, page: int)
 # =============================================================================================
 # The pool's listeners and the cache's owner.
 # =============================================================================================
-def test_pool_listeners_hear_allocate_take_and_release_with_the_owner():
+def test_pool_listeners_hear_allocate_release_and_their_undo_with_the_owner():
     pool = PagePool(6, tokens_per_block=P)
     heard = []
 
@@ -119,8 +119,9 @@ def test_pool_listeners_hear_allocate_take_and_release_with_the_owner():
     pool.add_listener(listen)
     a = pool.allocate(2, owner="a")
     b = pool.allocate(1)  # positional, no owner: still heard, owner None
+    pool.begin_journal()
     pool.release(a, owner="a")
-    pool.take(a, owner="a")
+    pool.rollback_journal()  # the undone release is heard as an allocation by the same owner
     pool.release(b)
     pool.allocate(0)  # nothing moves, nothing heard
     with pytest.raises(Exception):
@@ -131,7 +132,7 @@ def test_pool_listeners_hear_allocate_take_and_release_with_the_owner():
         ("allocate", a, "a"),
         ("allocate", b, None),
         ("release", a, "a"),
-        ("allocate", a, "a"),
+        ("allocate", sorted(a, reverse=True), "a"),  # undone latest first
         ("release", b, None),
     ]
     pool.remove_listener(listen)
@@ -147,9 +148,11 @@ def test_kv_cache_names_its_owner_in_every_pool_call():
     cache = KVCache([LayerGroup(LifeCycle(16), pool)], P, name="c", owner=7)
     assert cache.owner == 7
     assert cache.resize(40)
-    state = cache.checkpoint()
+    cache.begin_journal()
+    pool.begin_journal()
     assert cache.resize(48, 32)  # history releases window pages, growth allocates
-    cache.restore(state)  # release what it gained, take back what it gave
+    cache.rollback_journal()
+    pool.rollback_journal()  # the undo names the owner too
     cache.free()
     assert {o for _, o in owners} == {7}
     assert {e for e, _ in owners} == {"allocate", "release"}
@@ -193,22 +196,18 @@ def test_a_rolled_back_batch_leaves_the_map_equal_to_the_rows(monkeypatch):
     running = _prefill(dm, [1, 2], 2)
     for req in running:  # the next, short chunk raises history past the window: releases more than it grows
         req.target_view.chunk_size = 8
-    taken = []
-    for pool in dm.pools():
-        real = pool.take
-
-        def spy(pages, *, owner=None, _real=real):
-            taken.append((list(pages), owner))
-            return _real(pages, owner=owner)
-
-        monkeypatch.setattr(pool, "take", spy)
+    heard = []
+    for pool in dm.distinct_pools():
+        pool.add_listener(lambda event, pages, owner: heard.append((event, set(pages), owner)))
     before = {rid: dm.get_cache(rid).checkpoint() for rid in dm.request_ids()}
     hog = LlmRequest(3, prompt_len=400)  # a fresh request the full-attention pool cannot hold
     with pytest.raises(KVCacheResizeError, match="request 3"):
         dm.prepare_resources(ScheduledRequests([*running, hog]))
     assert {rid: dm.get_cache(rid).checkpoint() for rid in dm.request_ids()} == before
-    # the running requests released window pages and took them back
-    assert any(pages and owner in (1, 2) for pages, owner in taken)
+    # the running requests released window pages, and the rollback gave the same pages back to them
+    released = [(pages, owner) for event, pages, owner in heard if event == "release" and owner in (1, 2)]
+    regained = [(pages, owner) for event, pages, owner in heard if event == "allocate" and owner in (1, 2)]
+    assert released and all(any(p <= q and o == w for q, w in regained) for p, o in released)
     _clean(chk, dm)
     dm.prepare_resources(ScheduledRequests(running))
     _clean(chk, dm)
@@ -308,7 +307,7 @@ def test_a_release_the_map_does_not_expect_is_an_accounting_error():
     page = dm.get_cache(1).held_pages(1)[0]
     pool.release([page], owner=2)  # request 2 gives back request 1's page
     assert chk.accounting_errors == 1 and "held by 1" in chk.messages[-1]
-    pool.take([page], owner=1)
+    assert pool.allocate(1, owner=1) == [page]  # the page just freed is handed out first, to its row's owner
     assert chk.check_accounting() == 0 and chk.check_rows() == 0
     spare = pool.allocate(1)  # nobody's: no row holds it
     pool.release(spare)  # owner None, and the map has it held by None: fine

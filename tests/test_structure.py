@@ -1,0 +1,123 @@
+"""The library's structure, checked from its source: no import circle, no borrowed private names.
+
+A module may import its own subpackage's underscore modules (`kernels/_dispatch.py`
+is internal to `kernels/`), but never a name another module keeps private
+(`from .x import _y`, `x._y` on an imported module), nor another subpackage's
+internal modules. Imports form no cycle, counting type-only and function-level
+imports too (a module's own parent packages load before it, so those edges are
+left out; `__main__.py`, the command line's shim, is not part of the graph).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import tensorrt_llm_draftkv
+
+ROOT = Path(tensorrt_llm_draftkv.__file__).parent
+PACKAGE = "tensorrt_llm_draftkv"
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = [PACKAGE, *rel.parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if len(parts) > 1 and parts[1] in ("sim", "__main__"):
+            continue  # the simulator and its shim are not the library
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _package_of(name: str) -> str:
+    return name if MODULES[name].name == "__init__.py" else name.rsplit(".", 1)[0]
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = _package_of(module).split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _edges(module: str) -> set[str]:
+    """Every library module `module` imports, anywhere in it (type-only and lazy imports included:
+    a circle hidden behind `TYPE_CHECKING` or a function-level import is still a circle)."""
+    out = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            target = _resolve(module, node)
+            targets = [f"{target}.{a.name}" if f"{target}.{a.name}" in MODULES else target for a in node.names]
+        for t in targets:
+            if t in MODULES and t != module and not module.startswith(t + "."):  # parents load first anyway
+                out.add(t)
+    return out
+
+
+def test_no_import_circle_inside_the_library():
+    graph = {m: _edges(m) for m in MODULES}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append(path[path.index(n):] + [n] if n in path else [m, n])
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_uses_another_modules_private_names():
+    offenders = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        aliases = {}  # local name -> library module it names
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                source = _resolve(module, node)
+                for a in node.names:
+                    full = f"{source}.{a.name}"
+                    if full in MODULES:
+                        aliases[a.asname or a.name] = full
+                        same_package = _package_of(full).rsplit(".", 0)[0] == _package_of(module)
+                        if _private(a.name) and not same_package:
+                            offenders.append(f"{module}: imports {full}, internal to another subpackage")
+                    elif _private(a.name) and source.startswith(PACKAGE):
+                        offenders.append(f"{module}: from {source} import {a.name}")
+                    elif source in MODULES and any(_private(p) for p in source.split(".")) and \
+                            _package_of(source) != _package_of(module):
+                        offenders.append(f"{module}: imports from {source}, internal to another subpackage")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name):
+                if node.value.id in aliases:
+                    offenders.append(f"{module}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert offenders == []
+
+
+def test_the_checks_see_what_they_guard(tmp_path):
+    """The scanners find an imported private name and an edge, so an empty result means something."""
+    edges = _edges(f"{PACKAGE}.manager.kv_cache_manager")
+    assert f"{PACKAGE}.manager.request_caches" in edges and f"{PACKAGE}.manager.prefix_reuse" in edges
+    node = ast.parse("from .x import _y").body[0]
+    assert _private(node.names[0].name) and _resolve(f"{PACKAGE}.manager.kv_cache_manager", node) == f"{PACKAGE}.manager.x"
