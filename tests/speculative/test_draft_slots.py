@@ -12,7 +12,7 @@ from tensorrt_llm_draftkv import LlmRequest, LlmRequestState, ScheduledRequests
 from tensorrt_llm_draftkv.request import ContextView
 from tensorrt_llm_draftkv.speculative import DFlashDraftSlots, NoFreeSlotError, SlotStart
 from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
-from support import truth
+from sim.sim_support import truth
 
 
 

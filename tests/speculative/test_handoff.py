@@ -21,7 +21,8 @@ from tensorrt_llm_draftkv.speculative.handoff import (
     handoff_bytes,
 )
 from tensorrt_llm_draftkv.speculative.handoff_seed import mirror_backed_from
-from support import ceil_div, truth
+from support import ceil_div
+from sim.sim_support import truth
 
 
 def geometry_of(loop: DraftLoop, form: HandoffForm = HandoffForm.KV, hidden_size: int = 0) -> DrafterContextGeometry:
