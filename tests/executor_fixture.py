@@ -62,17 +62,20 @@ class SlotLedger:
         meta.slots.add_release_listener(self.on_release)
 
     def fresh_values(self, n: int) -> torch.Tensor:
+        """`n` values never written before (exact in float32 up to 2**24)."""
         values = torch.arange(self._next, self._next + n, dtype=torch.float32)
         self._next += n
         return values
 
     def on_release(self, rid: int, reason: str) -> None:
+        """The request lost its slot (`SlotTable`'s release listener): a new epoch starts."""
         for (r, g), by_pos in self.stored.items():
             if r == rid:
                 keep_reused = reason not in ("free", "departed")
                 self.stored[(r, g)] = {p: v for p, v in by_pos.items() if keep_reused and v[1] == "reused"}
 
     def _owner_page(self, rid: int, group: int, ordinal: int) -> int:
+        """The page the request owns at a block ordinal (-1: none): its mirror's row, or its arena slot's pages."""
         if self.arena:
             return self.meta.slots.slot_of(rid) * self.meta.arena_pages_per_slot + ordinal
         row = self.dm.get_cache(rid).block_row(group)
@@ -98,6 +101,7 @@ class SlotLedger:
 
     def record_write(self, rid: int, group: int, positions: list[int], ordinals: list[int], pages: list[int],
                      values: torch.Tensor, kind: str) -> None:
+        """`values[i]` went to slot position `positions[i]` through `pages[i]`; `kind` says which write it was."""
         self.writes += len(positions)
         self.check_owned("write", rid, group, ordinals, pages)
         by_pos = self.stored.setdefault((rid, group), {})
@@ -107,6 +111,7 @@ class SlotLedger:
 
     def record_read(self, rid: int, group: int, positions: list[int], ordinals: list[int], pages: list[int],
                     values: list[float]) -> None:
+        """`values[i]` came back from slot position `positions[i]` through `pages[i]`."""
         self.reads += len(positions)
         self.read_log.append((rid, positions, values))
         owned = self.check_owned("read", rid, group, ordinals, pages)
@@ -117,6 +122,7 @@ class SlotLedger:
                                   f"its slot stored {by_pos.get(pos, ('nothing',))[0]}")
 
     def kind_at(self, rid: int, group: int, pos: int) -> str | None:
+        """Which write last stored slot position `pos` (context, generation, trial, block, reused), or None."""
         return self.stored.get((rid, group), {}).get(pos, (None, None))[1]
 
     def assert_clean(self) -> None:
@@ -208,6 +214,7 @@ class DraftExecutor:
         if self.dm.has_cache(rid):
             self.dm.free_resources(req)
         self.meta.free(rid, missing_ok=True)
+        self.ledger.on_release(rid, "free")
 
     def evict(self, rid: int) -> None:
         """Take the request's slot away; its next row is seeded afresh."""
@@ -310,15 +317,19 @@ class DraftExecutor:
         self.worker.store_kv_at_pages(layers, torch.tensor([pages[i] for i in backed], dtype=torch.int64),
                                       torch.tensor([offsets[i] for i in backed], dtype=torch.int64), kv.contiguous())
 
+    def _value_at(self, layers: list[int], page: int, offset: int) -> float:
+        """The value every layer holds at (page, offset); NaN for an unbacked page or layers that disagree."""
+        if page < 0:
+            return float("nan")
+        seen = {float(self.worker._ctx_kv_buf[layer][page, :, :, offset, :].mean()) for layer in layers}
+        return seen.pop() if len(seen) == 1 else float("nan")
+
     def _read(self, rid: int, gi: int, positions: list[int], ordinals: list[int], pages: list[int]) -> None:
         """Read the values at `positions` through `pages` (every layer of the group) and check them."""
-        _, layers, _ = self.groups[gi]
+        group, layers, _ = self.groups[gi]
         P = self._tokens_per_block
-        values = []
-        for pos, page in zip(positions, pages):
-            seen = {float(self.worker._ctx_kv_buf[layer][page, :, :, pos % P, :].mean()) for layer in layers} if page >= 0 else set()
-            values.append(seen.pop() if page >= 0 and len(seen) == 1 else float("nan"))
-        self.ledger.record_read(rid, self.groups[gi][0], positions, ordinals, pages, values)
+        values = [self._value_at(layers, page, pos % P) for pos, page in zip(positions, pages)]
+        self.ledger.record_read(rid, group, positions, ordinals, pages, values)
 
     def store_context(self, req: LlmRequest, positions: Iterable[int]) -> None:
         """A context chunk's K/V, at the slot positions and pages `advance_slot_for_context` plans."""
