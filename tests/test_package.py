@@ -27,8 +27,24 @@ def test_the_library_sets_no_process_environment_variable():
     assert out == "[]"
 
 
-def test_the_library_never_imports_the_simulator_in_its_source():
+def _simulator_imports(path) -> list[str]:
+    """The modules `path` imports that are the simulator (`tensorrt_llm_draftkv.sim`, a relative `sim`,
+    or the simulator tests' `sim.sim_support`)."""
     import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            names = [("." * node.level) + (node.module or "")]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found += [n for n in names if n.lstrip(".").split(".")[0] == "sim" or n.startswith("tensorrt_llm_draftkv.sim")]
+    return found
+
+
+def test_the_library_never_imports_the_simulator_in_its_source():
     from pathlib import Path
 
     import tensorrt_llm_draftkv
@@ -39,13 +55,19 @@ def test_the_library_never_imports_the_simulator_in_its_source():
         rel = path.relative_to(root)
         if rel.parts[0] == "sim" or rel.name == "__main__.py":  # the CLI shim imports sim lazily, by design
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                names = [("." * node.level) + (node.module or "")]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            if any(n.lstrip(".").split(".")[0] == "sim" or n.startswith("tensorrt_llm_draftkv.sim") for n in names):
-                offenders.append(f"{rel}: {names}")
+        offenders += [f"{rel}: {name}" for name in _simulator_imports(path)]
+    assert offenders == []
+
+
+def test_the_library_tests_never_import_the_simulator():
+    """Library tests drive the library through tests/executor_fixture.py; only tests/sim/ may use the simulator."""
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    offenders = []
+    for path in tests.rglob("*.py"):
+        rel = path.relative_to(tests)
+        if rel.parts[0] == "sim":
+            continue
+        offenders += [f"{rel}: {name}" for name in _simulator_imports(path)]
     assert offenders == []

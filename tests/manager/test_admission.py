@@ -29,8 +29,6 @@ from tensorrt_llm_draftkv import (
     ScheduledRequests,
     SpeculativeDecodingMode as Mode,
 )
-from tensorrt_llm_draftkv.sim.scenario import SimSetup
-from tensorrt_llm_draftkv.sim.simulate import draft_pages_per_request
 from tensorrt_llm_draftkv.manager.admission import (
     AdmissionRefused,
     generation_peak_pages,
@@ -117,12 +115,11 @@ def test_a_trail_mirror_first_seen_off_the_chunk_grid_is_refused_with_the_number
     big.check_admission(req, chunk=8192, charge=unaligned)
 
 
-def test_the_simulators_draft_charge_is_the_managers():
-    setup = SimSetup()
-    assert draft_pages_per_request(setup) == 386
-    mgr = manager((setup.draft_window,), 4096, mode=setup.drafter, p=setup.tokens_per_block, d=setup.max_draft_len,
-                  e=setup.draft_extra_tokens, max_seq_len=setup.max_seq_len)
-    assert mgr.pages_per_request_charge(setup.chunk) == (386,)
+def test_requests_on_the_chunk_grid_and_a_generation_init_are_admitted_at_the_charge():
+    """The first-hour geometry (window 4096, P = 32, 7 drafts, 8 extra tokens); the simulator's own
+    charge is checked against this manager's in tests/sim/test_draft_charge.py."""
+    mgr = manager((4096,), 4096, mode=Mode.DFLASH, **BIG)
+    assert mgr.pages_per_request_charge(8192) == (386,)
     # Requests on the chunk grid are admitted: from 0, and from a start on the grid.
     for start in (0, 8192, 16384):
         mgr.check_admission(LlmRequest(1, prompt_len=524288, target_view=ContextView(start, 8192)), chunk=8192)

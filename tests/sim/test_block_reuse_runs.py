@@ -1,6 +1,6 @@
 """Shared-prefix traffic with real block reuse in the simulator (docs/block_reuse.md, docs/simulator.md).
 
-Small geometry (tests/support.py's SMALL: P = 16, chunks of 512, windows of 256,
+Small geometry (tests/sim/sim_support.py's SMALL: P = 16, chunks of 512, windows of 256,
 64 new tokens): four prompts share a PREFIX-token text (PREFIX // P = 64 pages)
 and differ in their tails, of odd lengths. Request 0 computes and publishes the
 prefix; requests 1-3 each hit all of it, so each reuses exactly PREFIX tokens
@@ -33,7 +33,7 @@ from tensorrt_llm_draftkv.sim.simulate import (
     target_only_outputs,
 )
 
-from support import SMALL
+from sim.sim_support import SMALL
 
 pytestmark = pytest.mark.usefixtures("reference_kernels")  # the kernels' torch reference: fast on CPU
 

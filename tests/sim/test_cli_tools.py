@@ -27,7 +27,7 @@ import pytest
 from tensorrt_llm_draftkv.manager.rules import MirrorSizing
 from tensorrt_llm_draftkv.sim import RunSpec, Scenario
 
-from support import SMALL
+from sim.sim_support import SMALL
 
 REPO = Path(__file__).resolve().parents[2]
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None

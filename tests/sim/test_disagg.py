@@ -21,7 +21,7 @@ from tensorrt_llm_draftkv.sim.simulate import run_one, target_only_outputs
 from tensorrt_llm_draftkv.manager.rules import MirrorSizing
 
 # The small geometry and the autouse fixtures (one thread, reference kernels) are shared.
-from support import SMALL
+from sim.sim_support import SMALL
 
 pytestmark = pytest.mark.usefixtures("reference_kernels")  # the kernels' torch reference: fast on CPU
 

@@ -31,7 +31,7 @@ from tensorrt_llm_draftkv.manager.rules import MirrorSizing
 HISTORY, LEGACY = MirrorSizing.HISTORY, MirrorSizing.LEGACY
 
 # The small geometry and the autouse fixtures (one thread, reference kernels) are shared.
-from support import SMALL
+from sim.sim_support import SMALL
 
 pytestmark = pytest.mark.usefixtures("reference_kernels")  # the kernels' torch reference: fast on CPU
 

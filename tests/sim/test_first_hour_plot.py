@@ -53,7 +53,7 @@ def test_block_reuse_over_runs_that_never_reused_turns_it_on(capsys):
 @pytest.fixture(scope="module")
 def clean_history_run():
     """A small aggregated history run of three requests, two in flight: clean, within its estimate."""
-    from support import SMALL
+    from sim.sim_support import SMALL
 
     from tensorrt_llm_draftkv.manager.rules import MirrorSizing
     from tensorrt_llm_draftkv.sim import RunSpec, Scenario

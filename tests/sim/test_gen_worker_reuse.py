@@ -1,7 +1,7 @@
 """Block reuse on the generation worker of the disaggregated simulator (docs/block_reuse.md, "The generation
 worker"; sim/disagg_wire.py for the round trip).
 
-Small geometry (tests/support.py's SMALL: P = 16, draft window 256 plus the trail page), with the target
+Small geometry (tests/sim/sim_support.py's SMALL: P = 16, draft window 256 plus the trail page), with the target
 windowed (256) and with full attention. Four prompts share a PREFIX = 1000-token text (not a page multiple:
 62 whole pages, 992 tokens, then the tails differ inside page 62) followed by tails of 37, 101, 205 and 77
 tokens (prompts of 1037, 1101, 1205, 1077: no page multiple). The generation worker serves request 0 with
@@ -43,7 +43,7 @@ from tensorrt_llm_draftkv.sim.simulate import (
     warmup_tokens,
 )
 
-from support import SMALL, reuse_probe_rank
+from sim.sim_support import SMALL, reuse_probe_rank
 
 pytestmark = pytest.mark.usefixtures("reference_kernels")  # the kernels' torch reference: fast on CPU
 

@@ -21,7 +21,7 @@ from tensorrt_llm_draftkv.sim.disagg import Transfer, admit_transfer, transfer_f
 from tensorrt_llm_draftkv.sim.simulate import _build_rank, _prompts, run_one, target_only_outputs
 from tensorrt_llm_draftkv.sim.scenario import prompt_seeds
 from tensorrt_llm_draftkv.speculative.handoff import DrafterContextMismatch, DrafterHandoff, HandoffForm
-from support import SMALL
+from sim.sim_support import SMALL
 
 pytestmark = pytest.mark.usefixtures("reference_kernels")
 
@@ -284,7 +284,7 @@ def test_over_the_wire_the_written_pages_are_the_backed_window_and_the_pool_hold
     worker read from its own pool and sent (digests compared here, in the parent)."""
     from functools import partial
 
-    from support import handoff_probe_rank
+    from sim.sim_support import handoff_probe_rank
 
     from tensorrt_llm_draftkv.sim.disagg import run_disaggregated
     from tensorrt_llm_draftkv.sim.simulate import _prompts, warmup_tokens

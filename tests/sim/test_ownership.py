@@ -145,7 +145,7 @@ def test_disagg_ownership_scenario_on_cuda_tensors(seeding):
 
 
 def _peak_shadow(prompt: int, windows) -> int:
-    from support import truth
+    from sim.sim_support import truth
 
     loop = DraftLoop.build(windows=windows, tokens_per_block=16, pages=512, max_seq_len=16384)
     loop.add_context_request(1, truth(prompt + 200, 1), prompt, chunk=64)

@@ -34,7 +34,7 @@ from tensorrt_llm_draftkv.runtime import BAD_PAGE_INDEX
 from tensorrt_llm_draftkv.speculative.handoff import DrafterHandoff
 from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
 
-from support import SMALL, truth
+from sim.sim_support import SMALL, truth
 
 pytestmark = pytest.mark.usefixtures("reference_kernels")  # the kernels' torch reference: fast on CPU
 

@@ -1,5 +1,6 @@
 """The eager path (reference decode/rebase + torch) and the fused path (`prepare_paged_latent`)
-of DFlashDraftSlots give identical results, on random tables and end to end.
+of DFlashDraftSlots give identical results, on random tables and end to end (on the test
+executor, tests/executor_fixture.py: the same slots, tables, reads and pool contents every step).
 """
 from __future__ import annotations
 
@@ -12,9 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from tensorrt_llm_draftkv.kernels import HAVE_TRITON, LAUNCH_COUNTS, BlockTables, PagedLatentPrep
 from tensorrt_llm_draftkv.speculative import DFlashDraftSlots
-from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
-
-
+from executor_fixture import DraftExecutor
 
 
 def same(a: PagedLatentPrep, b: PagedLatentPrep) -> None:
@@ -74,28 +73,30 @@ def test_eager_and_fused_preparation_are_identical_on_random_workloads(w):
 
 def _run(fused: bool, windows, backend: str, seed: int):
     launches = LAUNCH_COUNTS["prepare_paged_latent"]
-    loop = DraftLoop.build(windows=windows, tokens_per_block=16, pages=96, fused=fused, backend=backend,
-                           max_seq_len=1024)
+    loop = DraftExecutor.build(windows=windows, tokens_per_block=16, pages=96, fused=fused, backend=backend,
+                               max_seq_len=1024)
     rng = random.Random(seed)
     for rid in range(3):
-        t = phrase_stream(900, vocab_size=64, phrase_len=8, num_phrases=5, seed=seed + rid)
         if rid == 2:
-            loop.add_disagg_request(rid, t, 400 + rng.randrange(16))
+            loop.add_disagg_request(rid, 400 + rng.randrange(16))
         else:
-            loop.add_context_request(rid, t, 120 + rng.randrange(40), chunk=48, start=16 * rid)
+            loop.add_context_request(rid, 120 + rng.randrange(40), chunk=48, start=16 * rid)
     log = []
     for step in range(10):
-        res = loop.step(
+        reads = len(loop.ledger.read_log)
+        accepted = loop.step(
             chunks={r: 48 for r in loop.requests},
-            accept_cap=lambda rid: rng.randrange(4),
+            accepted=lambda rid: rng.randrange(4),
             optimistic=[0] if step % 2 else [],
         )
-        log.append((res.accepted, res.drafts, loop.meta.slots.ctx_len_host, loop.meta.slots.base_pages_host))
+        # what each row read (positions and values) stands for the drafts it would propose
+        log.append((accepted, loop.ledger.read_log[reads:], loop.meta.slots.ctx_len_host,
+                    loop.meta.slots.base_pages_host))
         log.append([loop.meta.generation_prep()[g].tensors() for g in range(loop.dm.num_pools)])
         if step == 5:
             loop.evict(2)
     pools = [layer.clone() for g in loop.dm.layer_groups for layer in g.pool.layers]
-    loop.checker.assert_clean()
+    loop.ledger.assert_clean()
     if fused and HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1":
         assert LAUNCH_COUNTS["prepare_paged_latent"] > launches  # the Triton kernel ran (interpreted)
     if not fused:

@@ -1,4 +1,5 @@
-"""A hypothesis state machine over the draft manager and the DFlash drafter together.
+"""A hypothesis state machine over the draft manager and the DFlash slots together, driven by the
+test executor (tests/executor_fixture.py).
 
 Rules: chunked prefill (from position 0, or a tail after a prefix this worker
 did not compute), disaggregated generation init, generation steps with random
@@ -22,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from tensorrt_llm_draftkv import ScheduledRequests
 from tensorrt_llm_draftkv.speculative import NoFreeSlotError
-from tensorrt_llm_draftkv.sim import DraftLoop, phrase_stream
+from executor_fixture import DraftExecutor
 
 P = 16
 BS = 4
@@ -43,9 +44,10 @@ def meta_state(meta):
 class DraftKVMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.loop: DraftLoop | None = None
+        self.loop: DraftExecutor | None = None
         self.next_id = 1
         self.chunks: dict[int, int] = {}
+        self.lengths: dict[int, int] = {}  # tokens a request reaches before it finishes
         self.errors_checked = False
 
     @initialize(
@@ -56,7 +58,7 @@ class DraftKVMachine(RuleBasedStateMachine):
         guard=st.booleans(),
     )
     def setup(self, windows, joint, trail, backend, guard):
-        self.loop = DraftLoop.build(
+        self.loop = DraftExecutor.build(
             windows=windows,
             tokens_per_block=P,
             pages=400,
@@ -71,9 +73,6 @@ class DraftKVMachine(RuleBasedStateMachine):
         self.totals = [g.pool.total for g in self.loop.dm.layer_groups]
 
     # ------------------------------------------------------------------ helpers
-    def _truth(self, n: int, seed: int) -> list[int]:
-        return phrase_stream(n, vocab_size=64, phrase_len=10, num_phrases=5, seed=seed)
-
     def _new_id(self) -> int:
         self.next_id += 1
         return self.next_id
@@ -87,19 +86,20 @@ class DraftKVMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
     @precondition(lambda self: self.loop is not None and len(self.loop.requests) < 5)
-    @rule(
-        prompt=st.integers(2, 400), chunk=st.integers(8, 160), prefix_pages=st.integers(0, 6), seed=st.integers(0, 99)
-    )
-    def add_context_request(self, prompt, chunk, prefix_pages, seed):
+    @rule(prompt=st.integers(2, 400), chunk=st.integers(8, 160), prefix_pages=st.integers(0, 6))
+    def add_context_request(self, prompt, chunk, prefix_pages):
         start = min(prefix_pages * P, prompt - 1) if prefix_pages else 0
         rid = self._new_id()
-        self.loop.add_context_request(rid, self._truth(prompt + 200, seed), prompt, chunk=chunk, start=start)
+        self.loop.add_context_request(rid, prompt, chunk=chunk, start=start)
         self.chunks[rid] = chunk
+        self.lengths[rid] = prompt + 200
 
     @precondition(lambda self: self.loop is not None and len(self.loop.requests) < 5)
-    @rule(prompt=st.integers(1, 1500), seed=st.integers(0, 99))
-    def disagg_init(self, prompt, seed):
-        self.loop.add_disagg_request(self._new_id(), self._truth(prompt + 200, seed), prompt)
+    @rule(prompt=st.integers(1, 1500))
+    def disagg_init(self, prompt):
+        rid = self._new_id()
+        self.loop.add_disagg_request(rid, prompt)
+        self.lengths[rid] = prompt + 200
 
     @precondition(lambda self: self.loop is not None and self.loop.requests)
     @rule(pick=st.integers(0, 2**16), optimistic=st.booleans())
@@ -130,14 +130,15 @@ class DraftKVMachine(RuleBasedStateMachine):
         loop.step(
             chosen,
             chunks={r: self.chunks.get(r, 64) for r in chosen},
-            accept_cap=caps,
+            accepted=caps,
             optimistic=opt,
             dummies=dummies,
             dummy_tokens=dummy_tokens,
         )
-        # completion: a request near the end of its truth stream finishes
+        # completion: a request near its length finishes
         for r in chosen:
-            if loop.requests[r].is_generation_in_progress_state and loop.remaining(r) <= BS + 1:
+            req = loop.requests[r]
+            if req.is_generation_in_progress_state and self.lengths[r] - len(req.tokens) <= BS + 1:
                 self._finish(r)
 
     def _finish(self, rid):
@@ -176,7 +177,7 @@ class DraftKVMachine(RuleBasedStateMachine):
         extra = []
         for _ in range(len(loop.meta.slots.free_slots) + 1):
             rid = self._new_id()
-            extra.append(loop.add_context_request(rid, self._truth(60, rid), 40))
+            extra.append(loop.add_context_request(rid, 40))
         batch = ScheduledRequests(context_requests=extra)
         loop.dm.prepare_resources(batch)
         before_with_mirrors = meta_state(loop.meta)
@@ -186,7 +187,6 @@ class DraftKVMachine(RuleBasedStateMachine):
         for req in extra:
             loop.dm.free_resources(req)
             loop.requests.pop(req.py_request_id)
-            loop.truth.pop(req.py_request_id)
         assert {rid: loop.dm.get_cache(rid).checkpoint() for rid in loop.dm.request_ids()} == dm_before
 
     # ------------------------------------------------------------------ invariants
@@ -194,9 +194,9 @@ class DraftKVMachine(RuleBasedStateMachine):
     def ownership(self):  # invariants 1 and 2
         if self.loop is None:
             return
-        chk = self.loop.checker
-        assert chk.foreign_page_accesses == 0, chk.messages[:3]
-        assert chk.stale_reads == 0, chk.messages[:3]
+        ledger = self.loop.ledger
+        assert not ledger.foreign, ledger.foreign[:3]
+        assert not ledger.stale, ledger.stale[:3]
 
     @invariant()
     def accounting(self):  # invariant 3

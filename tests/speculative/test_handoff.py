@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorrt_llm_draftkv import LlmRequest, LlmRequestState, ScheduledRequests
-from tensorrt_llm_draftkv.sim import DraftLoop
 from tensorrt_llm_draftkv.speculative.handoff import (
     HANDOFF_VERSION,
     HEADER_INTS,
@@ -21,22 +20,23 @@ from tensorrt_llm_draftkv.speculative.handoff import (
     handoff_bytes,
 )
 from tensorrt_llm_draftkv.speculative.handoff_seed import mirror_backed_from
-from support import ceil_div, truth
+from executor_fixture import DraftExecutor
+from support import ceil_div, tokens
 
 
-def geometry_of(loop: DraftLoop, form: HandoffForm = HandoffForm.KV, hidden_size: int = 0) -> DrafterContextGeometry:
+def geometry_of(loop: DraftExecutor, form: HandoffForm = HandoffForm.KV, hidden_size: int = 0) -> DrafterContextGeometry:
     return DrafterContextGeometry.of_pool(loop.dm, form, hidden_size=hidden_size)
 
 
-def gen_init(loop: DraftLoop, rid: int, m: int) -> LlmRequest:
+def gen_init(loop: DraftExecutor, rid: int, m: int) -> LlmRequest:
     """A generation worker's new request of an m-token prompt (tokens: the prompt and the first output)."""
-    req = LlmRequest(rid, m, tokens=truth(m + 1, rid), state=LlmRequestState.DISAGG_GENERATION_INIT)
+    req = LlmRequest(rid, m, tokens=tokens(m + 1, rid), state=LlmRequestState.DISAGG_GENERATION_INIT)
     assert loop.dm.prepare_disagg_gen_init(req)
     req.state = LlmRequestState.GENERATION_IN_PROGRESS
     return req
 
 
-def backed_below(loop: DraftLoop, rid: int, m: int, group: int) -> list[int]:
+def backed_below(loop: DraftExecutor, rid: int, m: int, group: int) -> list[int]:
     """Ordinals the mirror backs that hold a position below m."""
     row = loop.dm.get_cache(rid).block_row(group)
     P = loop.dm.config.tokens_per_block
@@ -52,7 +52,7 @@ def backed_below(loop: DraftLoop, rid: int, m: int, group: int) -> list[int]:
     trail=st.booleans(),
 )
 def test_the_sent_range_covers_exactly_the_pages_the_generation_mirror_backs_below_m(m, window, P, trail):
-    loop = DraftLoop.build(windows=(window,), tokens_per_block=P, pages=4096, max_seq_len=4096, trail_page=trail)
+    loop = DraftExecutor.build(windows=(window,), tokens_per_block=P, pages=4096, max_seq_len=4096, trail_page=trail)
     gen_init(loop, 1, m)
     geometry = geometry_of(loop)
     lo, hi = geometry.group_range(0, m)
@@ -69,7 +69,7 @@ def test_the_sent_range_covers_exactly_the_pages_the_generation_mirror_backs_bel
 
 
 def test_a_full_attention_group_sends_the_whole_prompt_and_the_seed_starts_at_the_highest_group_start():
-    loop = DraftLoop.build(windows=(64, None), tokens_per_block=16, pages=512)
+    loop = DraftExecutor.build(windows=(64, None), tokens_per_block=16, pages=512)
     gen_init(loop, 3, 1000)
     geometry = geometry_of(loop)
     assert geometry.group_range(1, 1000) == (0, 1000)
@@ -173,13 +173,13 @@ def test_a_context_for_another_geometry_is_refused_naming_both(change, field):
 
 
 # --------------------------------------------------------------------------- seeding a slot with [lo, m)
-def seeded_loop(m: int, window: int = 64, P: int = 16) -> tuple[DraftLoop, LlmRequest, DrafterContextGeometry]:
-    loop = DraftLoop.build(windows=(window,), tokens_per_block=P, pages=256)
+def seeded_loop(m: int, window: int = 64, P: int = 16) -> tuple[DraftExecutor, LlmRequest, DrafterContextGeometry]:
+    loop = DraftExecutor.build(windows=(window,), tokens_per_block=P, pages=256)
     req = gen_init(loop, 5, m)
     return loop, req, geometry_of(loop)
 
 
-def state_of(loop: DraftLoop) -> tuple:
+def state_of(loop: DraftExecutor) -> tuple:
     slots = loop.meta.slots
     return (slots.ctx_len_host, slots.base_pages_host, slots.offsets_host, slots.live_requests(),
             slots.pending_context_seed(5))

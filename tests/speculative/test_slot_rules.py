@@ -1,6 +1,6 @@
 """The pure DFlash slot rules of `slot_rules`: store start, generation seed, trail page, read window.
 
-No draft manager, no metadata, no DraftLoop: each test calls the rule functions directly.
+No draft manager, no metadata, no executor: each test calls the rule functions directly.
 """
 from __future__ import annotations
 
