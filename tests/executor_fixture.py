@@ -158,7 +158,7 @@ class DraftExecutor:
         self.worker = bind_worker(meta, None if private_arena else dm)
         self.spec_metadata = DFlashSpecMetadata(max_num_requests=meta.num_slots, max_draft_len=meta.block_size - 1,
                                                 max_total_draft_tokens=meta.block_size - 1, device=meta.device)
-        self.spec_metadata._dflash_worker = self.worker
+        self.spec_metadata.attach_worker(self.worker)
         self.ledger = SlotLedger(dm, meta, private_arena)
         P, layer = meta.tokens_per_block, 0
         #: per draft layer group (one for a private arena): (pool group, its layers, its window)
