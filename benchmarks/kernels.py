@@ -477,7 +477,7 @@ def parse_args(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> 
                     help="torch CPU threads for a CPU run (default 1)")
     args = ap.parse_args(argv)
     args.prog = ap.prog
-    from tensorrt_llm_draftkv.sim.cli_simulate import UsageError, check_device, check_output_path
+    from draftkv_sim.cli_simulate import UsageError, check_device, check_output_path
 
     try:
         if args.device == "cuda":

@@ -1,16 +1,17 @@
-"""`python -m tensorrt_llm_draftkv`: the simulator's command line, imported only when run."""
+"""`python -m tensorrt_llm_draftkv`: the simulator's command line (the `draftkv_sim` package), imported only when run.
+
+The library itself never imports the simulator; this shim is the one place that names it.
+"""
 from __future__ import annotations
 
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command. Started as a program (`argv` None), it names itself as the user typed it: `draftkv` for
-    the console script, `python -m tensorrt_llm_draftkv` for the module."""
-    from .sim.cli import PROG, program_name
-    from .sim.cli import main as cli_main
+    """The command, named `python -m tensorrt_llm_draftkv` in its errors and --help."""
+    from draftkv_sim.cli import PROG, run_program
 
-    return cli_main(argv, prog=program_name(sys.argv[0]) if argv is None else PROG)
+    return run_program(argv, module_prog=PROG)
 
 
 if __name__ == "__main__":

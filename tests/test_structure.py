@@ -1,4 +1,6 @@
-"""The library's structure, checked from its source: no import circle, no borrowed private names.
+"""The packages' structure, checked from their source: no import circle, no borrowed private names.
+
+Both packages are checked, the library and its simulator (`draftkv_sim`), each on its own.
 
 A module may import its own subpackage's underscore modules (`kernels/_dispatch.py`
 is internal to `kernels/`), but never a name another module keeps private
@@ -12,26 +14,32 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import tensorrt_llm_draftkv
+import importlib.util
 
-ROOT = Path(tensorrt_llm_draftkv.__file__).parent
+import pytest
+
 PACKAGE = "tensorrt_llm_draftkv"
 
 
-def _modules() -> dict[str, Path]:
+def _modules(name: str) -> dict[str, Path]:
+    """Every module of the package `name`, found on disk without importing it (these are source checks)."""
+    root = Path(importlib.util.find_spec(name).origin).parent
     found = {}
-    for path in ROOT.rglob("*.py"):
-        rel = path.relative_to(ROOT).with_suffix("")
-        parts = [PACKAGE, *rel.parts]
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).with_suffix("")
+        parts = [name, *rel.parts]
         if parts[-1] == "__init__":
             parts = parts[:-1]
-        if len(parts) > 1 and parts[1] in ("sim", "__main__"):
-            continue  # the simulator and its shim are not the library
+        if len(parts) > 1 and parts[1] == "__main__":
+            continue  # a command line's shim is not part of the graph
         found[".".join(parts)] = path
     return found
 
 
-MODULES = _modules()
+LIBRARY = _modules(PACKAGE)
+SIMULATOR = _modules("draftkv_sim")
+MODULES = {**LIBRARY, **SIMULATOR}
+PACKAGES = pytest.mark.parametrize("package", [LIBRARY, SIMULATOR], ids=["library", "simulator"])
 
 
 def _package_of(name: str) -> str:
@@ -64,8 +72,9 @@ def _edges(module: str) -> set[str]:
     return out
 
 
-def test_no_import_circle_inside_the_library():
-    graph = {m: _edges(m) for m in MODULES}
+@PACKAGES
+def test_no_import_circle_inside_a_package(package):
+    graph = {m: _edges(m) & set(package) for m in package}
     state: dict[str, int] = {}
     cycles = []
 
@@ -88,9 +97,10 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
-def test_no_module_uses_another_modules_private_names():
+@PACKAGES
+def test_no_module_uses_another_modules_private_names(package):
     offenders = []
-    for module, path in MODULES.items():
+    for module, path in package.items():
         tree = ast.parse(path.read_text())
         aliases = {}  # local name -> library module it names
         for node in ast.walk(tree):
@@ -103,7 +113,7 @@ def test_no_module_uses_another_modules_private_names():
                         same_package = _package_of(full).rsplit(".", 0)[0] == _package_of(module)
                         if _private(a.name) and not same_package:
                             offenders.append(f"{module}: imports {full}, internal to another subpackage")
-                    elif _private(a.name) and source.startswith(PACKAGE):
+                    elif _private(a.name) and source.split(".")[0] in (PACKAGE, "draftkv_sim"):
                         offenders.append(f"{module}: from {source} import {a.name}")
                     elif source in MODULES and any(_private(p) for p in source.split(".")) and \
                             _package_of(source) != _package_of(module):
@@ -121,3 +131,5 @@ def test_the_checks_see_what_they_guard(tmp_path):
     assert f"{PACKAGE}.manager.request_caches" in edges and f"{PACKAGE}.manager.prefix_reuse" in edges
     node = ast.parse("from .x import _y").body[0]
     assert _private(node.names[0].name) and _resolve(f"{PACKAGE}.manager.kv_cache_manager", node) == f"{PACKAGE}.manager.x"
+    sim_edges = _edges("draftkv_sim.simulate")
+    assert "draftkv_sim.engine" in sim_edges and "draftkv_sim.simulate" in SIMULATOR

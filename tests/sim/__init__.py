@@ -1,1 +1,0 @@
-"""Test package: its modules are imported as `sim.<name>`, so a basename may repeat in another folder (test_handoff.py)."""
