@@ -40,7 +40,7 @@ def target_pages_per_request(setup: SimSetup) -> int:
 def draft_pages_per_request(setup: SimSetup) -> int:
     """What the estimator charges a request in the draft pool under the fix."""
     trail = rules.draft_slot_trail_tokens(
-        rules.MirrorPolicy(setup.drafter),
+        rules.DraftPoolTraits(setup.drafter),
         tokens_per_block=setup.tokens_per_block,
         any_windowed_group=True,  # the simulator's draft pool is one windowed group
         trail_page=setup.trail_page,

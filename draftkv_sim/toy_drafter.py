@@ -476,7 +476,7 @@ class DFlashDrafter:
             for r, i in enumerate(rows):
                 self._write(i, gi, q[r], q_ord[r], q_pages[r], q_off[r], blk_kv[r])
             # (2) the context within the widest window of the group, rebased coordinates
-            #     (slot_rules.read_window_start, per row)
+            #     (slot_start.read_window_start, per row)
             wins = [self.windows[layer] for layer in group.layers]
             widest = None if any(w is None for w in wins) else max(wins)
             t0 = torch.zeros_like(rl) if widest is None else (rl + bs - widest).clamp_min(0)

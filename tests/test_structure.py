@@ -133,3 +133,40 @@ def test_the_checks_see_what_they_guard(tmp_path):
     assert _private(node.names[0].name) and _resolve(f"{PACKAGE}.manager.kv_cache_manager", node) == f"{PACKAGE}.manager.x"
     sim_edges = _edges("draftkv_sim.simulate")
     assert "draftkv_sim.engine" in sim_edges and "draftkv_sim.simulate" in SIMULATOR
+
+
+@PACKAGES
+def test_every_attribute_read_off_an_imported_module_exists(package):
+    """`mod.name` on an imported library module names something that module has.
+
+    Paths that only run on a GPU (a bound launch, a graph capture) are never executed on the CPU,
+    so a name moved out of a module would otherwise fail only on the device.
+    """
+    import importlib
+
+    offenders = []
+    for module, path in package.items():
+        tree = ast.parse(path.read_text())
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                source = _resolve(module, node)
+                for a in node.names:
+                    if f"{source}.{a.name}" in MODULES:
+                        aliases[a.asname or a.name] = f"{source}.{a.name}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in MODULES and a.asname:
+                        aliases[a.asname] = a.name
+        # a name also bound locally (an argument, an assignment) may shadow the module: leave it out
+        rebound = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        rebound |= {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments)
+                    for a in n.args + n.kwonlyargs + n.posonlyargs}
+        for name in rebound:
+            aliases.pop(name, None)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                target = importlib.import_module(aliases[node.value.id])
+                if not hasattr(target, node.attr) and not isinstance(node.ctx, ast.Store):
+                    offenders.append(f"{module}:{node.lineno}: {node.value.id}.{node.attr} ({aliases[node.value.id]})")
+    assert offenders == []

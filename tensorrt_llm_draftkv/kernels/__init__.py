@@ -10,7 +10,7 @@ without re-checking it. Each has a ``*_reference`` twin in plain torch; see ``sp
 the coordinates and the dispatch rules.
 """
 from ._dispatch import HAVE_TRITON, LAUNCH_COUNTS, triton_runs
-from .bound import BoundPreparation
+from .bound_preparation import BoundPreparation
 from .spec_tail_kernels import (
     BlockTables,
     PagedLatentPrep,

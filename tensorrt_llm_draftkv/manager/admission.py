@@ -116,7 +116,7 @@ def _check_request(prompt_len: int, start: int, chunk: int) -> None:
 
 
 def prompt_phase_sizes(
-    policy: rules.MirrorPolicy | None,
+    policy: rules.DraftPoolTraits | None,
     *,
     prompt_len: int,
     chunk: int,
@@ -224,7 +224,7 @@ def generation_peak_pages(
 
 
 def mirror_peak_pages(
-    policy: rules.MirrorPolicy | None,
+    policy: rules.DraftPoolTraits | None,
     life_cycles: Sequence[LifeCycle],
     tokens_per_block: int,
     *,
@@ -277,7 +277,7 @@ def mirror_peak_pages(
 
 # -- the refusal ---------------------------------------------------------------------------
 def _why(
-    policy: rules.MirrorPolicy | None,
+    policy: rules.DraftPoolTraits | None,
     tokens_per_block: int,
     *,
     prompt_len: int,
@@ -322,7 +322,7 @@ def _why(
 
 
 def check_request(
-    policy: rules.MirrorPolicy | None,
+    policy: rules.DraftPoolTraits | None,
     life_cycles: Sequence[LifeCycle],
     tokens_per_block: int,
     *,

@@ -70,7 +70,7 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
         """The mirror policy and the trail page, then the pools (every draft constructor ends here)."""
         self.is_draft = is_draft
         self.spec_mode = SpeculativeDecodingMode.parse(spec_mode)  # a mode or its name ("dflash")
-        self.policy = rules.MirrorPolicy(self.spec_mode, rules.MirrorSizing.parse(sizing), joint_kv_cache_reuse)
+        self.policy = rules.DraftPoolTraits(self.spec_mode, rules.MirrorSizing.parse(sizing), joint_kv_cache_reuse)
         trail = rules.draft_slot_trail_tokens(
             self.policy,
             tokens_per_block=config.tokens_per_block,

@@ -136,7 +136,7 @@ class KVCacheManagerV2:
         *,
         max_draft_len: int = 0,
         num_extra_kv_tokens: int = 0,
-        mirror_policy: rules.MirrorPolicy | None = None,
+        mirror_policy: rules.DraftPoolTraits | None = None,
         trail_tokens: int = 0,
     ) -> "KVCacheManagerV2":
         """A manager over pools of exactly this geometry (the simulator's and the tests' way in).
@@ -158,7 +158,7 @@ class KVCacheManagerV2:
         *,
         max_draft_len: int,
         num_extra_kv_tokens: int,
-        mirror_policy: rules.MirrorPolicy | None,
+        mirror_policy: rules.DraftPoolTraits | None,
         trail_tokens: int,
         layer_slots: tuple[LayerSlot, ...] | None = None,
     ) -> None:

@@ -226,7 +226,7 @@ def trail_tokens_for(mode: SpeculativeDecodingMode | str | None, geometry: PoolG
     if not is_draft_pool or mode is None:
         return 0
     return rules.draft_slot_trail_tokens(
-        rules.MirrorPolicy(SpeculativeDecodingMode.parse(mode)),  # a mode or its name
+        rules.DraftPoolTraits(SpeculativeDecodingMode.parse(mode)),  # a mode or its name
         tokens_per_block=geometry.tokens_per_block,
         any_windowed_group=any(g.window is not None for g in geometry.layer_groups),
     )

@@ -25,7 +25,7 @@ class MirrorSizing(ParsableEnum):
 
 
 @dataclass(frozen=True)
-class MirrorPolicy:
+class DraftPoolTraits:
     """What the draft manager knows about itself when it sizes a mirror."""
 
     mode: SpeculativeDecodingMode
@@ -33,7 +33,7 @@ class MirrorPolicy:
     joint_kv_cache_reuse: bool = False
 
 
-def mirror_uses_draft_view(policy: MirrorPolicy) -> bool:
+def mirror_uses_draft_view(policy: DraftPoolTraits) -> bool:
     """Does the draft mirror read the request's draft view (else the target view)?
 
     A pool that joins the target's block reuse shares the target's progress, so it
@@ -74,7 +74,7 @@ def context_capacity(start: int, chunk: int, is_last_chunk: bool, draft_tokens: 
     return start + context_headroom(chunk, is_last_chunk, draft_tokens, extra_tokens)
 
 
-def context_history(policy: MirrorPolicy, *, start: int, mirror_covers_start: bool) -> int | None:
+def context_history(policy: DraftPoolTraits, *, start: int, mirror_covers_start: bool) -> int | None:
     """History to pass with a context resize, or None for the old `resize(capacity)`.
 
     `mirror_covers_start`: the mirror already holds `[0, start)` (it computed the
@@ -93,7 +93,7 @@ def context_history(policy: MirrorPolicy, *, start: int, mirror_covers_start: bo
 
 
 def disagg_gen_init_sizing(
-    policy: MirrorPolicy, *, prompt_len: int, generation_headroom: int, draft_tokens: int, extra_tokens: int
+    policy: DraftPoolTraits, *, prompt_len: int, generation_headroom: int, draft_tokens: int, extra_tokens: int
 ) -> tuple[int, int | None]:
     """(capacity, history) of a generation worker's new mirror.
 
@@ -106,13 +106,13 @@ def disagg_gen_init_sizing(
     return prompt_len + generation_headroom, prompt_len
 
 
-def dummy_history(policy: MirrorPolicy, history_hint: int | None) -> int | None:
+def dummy_history(policy: DraftPoolTraits, history_hint: int | None) -> int | None:
     """The fix gives a warmup dummy's mirror the target's history hint; legacy drops it."""
     return None if policy.sizing is MirrorSizing.LEGACY else history_hint
 
 
 def draft_slot_trail_tokens(
-    policy: MirrorPolicy, *, tokens_per_block: int, any_windowed_group: bool, trail_page: bool = True
+    policy: DraftPoolTraits, *, tokens_per_block: int, any_windowed_group: bool, trail_page: bool = True
 ) -> int:
     """Tokens kept below every window of a DFlash/DSpark draft pool (one page), else 0.
 
@@ -131,14 +131,14 @@ def draft_slot_trail_tokens(
 class StepSizing:
     """One manager's sizing, one function per phase, from the rules above.
 
-    `policy=None` is a target cache's own sizing; a `MirrorPolicy` is a draft
+    `policy=None` is a target cache's own sizing; a `DraftPoolTraits` is a draft
     mirror's. Every answer is `(capacity, history)` in absolute tokens, history
     None meaning "keep the cache's" (the old `resize(capacity)`).
     """
 
     max_draft_len: int = 0
     num_extra_kv_tokens: int = 0
-    policy: MirrorPolicy | None = None
+    policy: DraftPoolTraits | None = None
 
     @property
     def reads_draft_view(self) -> bool:

@@ -104,7 +104,7 @@ def mirror_policy(
     options: Options,
     tokens_per_block: int,
     windowed: bool,
-) -> tuple[rules.MirrorPolicy | None, int]:
+) -> tuple[rules.DraftPoolTraits | None, int]:
     """(the mirror policy, trail tokens) of a draft manager; (None, 0) for a target manager.
 
     ValueError for a draft manager without a drafter: it would have nothing to mirror.
@@ -117,7 +117,7 @@ def mirror_policy(
             f"Draft KV cache: is_draft=True needs the drafter's spec_config (got {spec_config!r}): the draft "
             "manager sizes its mirrors by the drafter's mode"
         )
-    policy = rules.MirrorPolicy(mode, options.sizing, joint_kv_cache_reuse)
+    policy = rules.DraftPoolTraits(mode, options.sizing, joint_kv_cache_reuse)
     trail = rules.draft_slot_trail_tokens(
         policy, tokens_per_block=tokens_per_block, any_windowed_group=windowed, trail_page=options.trail_page
     )

@@ -1,6 +1,6 @@
 """The DFlash drafter's side of the draft pool: slots, their bases, and each step's addressing.
 
-``slot_rules`` holds the pure rules for where a slot starts, ``slot_table`` the
+``slot_start`` holds the pure rules for where a slot starts, ``slot_table`` the
 slots themselves, ``addressing`` where each row reads and writes, and
 ``DFlashDraftSlots`` drives them step by step; ``DFlashWorker`` and
 ``DFlashSpecMetadata`` are upstream's executor-facing objects over them; ``handoff``
@@ -18,8 +18,8 @@ from .handoff import (
     HandoffForm,
     handoff_bytes,
 )
-from .slot_rules import Seeding, SlotStart, StartRules, context_store_start, generation_seed, page_aligned_seed
-from .slot_plan import SlotSnapshot
+from .slot_start import Seeding, SlotStart, StartRules, context_store_start, generation_seed, page_aligned_seed
+from .slot_snapshot import SlotSnapshot
 from .slot_table import NoFreeSlotError, SlotTable
 from .spec_metadata import SpecMetadata
 from .worker_pool import DraftStoreRefused

@@ -2,7 +2,7 @@
 
 It maps each step's rows (context requests, then generation requests) to
 slots kept by :class:`~.slot_table.SlotTable`, seeds fresh slots by
-:mod:`.slot_rules` (each row placed by :mod:`.row_placement`), and hands out
+:mod:`.slot_start` (each row placed by :mod:`.slot_assignment`), and hands out
 the step's addressing from :mod:`.addressing`.
 A slot ``(ctx_len L, base_pages b)`` holds context at slot positions
 ``[b*P, L)`` (absolute token positions, minus a lag ``< P`` after a
@@ -35,12 +35,12 @@ import torch
 
 from ..kernels import BlockTables, PagedLatentPrep
 from ..request import LlmRequest, ScheduledRequests
-from . import addressing, row_placement
+from . import addressing, slot_assignment
 from .addressing import ContextStorePlan, Row
 from .draft_pool import DraftPool
 from .handoff_seed import check_seed_range, mirror_backed_from
-from .slot_rules import Seeding, SlotStart
-from .slot_plan import SlotPlan, SlotSnapshot
+from .slot_start import Seeding, SlotStart
+from .slot_snapshot import SlotPlan, SlotSnapshot
 from .slot_table import SlotTable
 
 def _check_args(max_batch_size: int, block_size: int, tokens_per_block: int, max_ctx_len: int, backend: str) -> None:
@@ -207,11 +207,11 @@ class DFlashDraftSlots:
         self._validate(ids, dm)
         dummy_ids = [r.py_request_id for r in reqs if r.is_dummy]
         plan = self.slots.plan(ids, dummy_ids, None if dm is None else dm.has_cache)
-        starts = row_placement.start_rules(
+        starts = slot_assignment.start_rules(
             dm, tokens_per_block=self.tokens_per_block, max_ctx_len=self.slots.max_ctx_len,
             page_aligned_seed=self.page_aligned_seed, rebased_view=self._ctx_reads_rebased_view, seeding=self.seeding,
         )
-        rows, seeds = row_placement.plan_rows(plan, reqs, kinds, starts, self.slots.take_context_seed)
+        rows, seeds = slot_assignment.plan_rows(plan, reqs, kinds, starts, self.slots.take_context_seed)
         tables = addressing.decode_tables(
             dm, ids, [r.slot for r in rows], backend=self.backend, fused=self.fused,
             pages_per_slot=self.arena_pages_per_slot, device=self.device,

@@ -14,7 +14,7 @@ and frees them (telling every release listener), clamps what a slot stores
 and reads against ``max_ctx_len``, and keeps a received drafter context
 (disaggregated handoff, absolute ``[lo, end)``) until the request's first slot
 is seeded from it. Its value types, a step's :class:`SlotPlan` and the
-:class:`SlotSnapshot`, live in :mod:`.slot_plan`.
+:class:`SlotSnapshot`, live in :mod:`.slot_snapshot`.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .slot_plan import SlotPlan, SlotSnapshot
-from .slot_rules import SlotStart, context_seed
+from .slot_snapshot import SlotPlan, SlotSnapshot
+from .slot_start import SlotStart, context_seed
 
 #: Stores on a shared pool are never clamped (int32-safe stand-in for "no limit").
 NO_STORE_LIMIT = (1 << 31) - 1
@@ -190,7 +190,7 @@ class SlotTable:
         """Seed the request's next fresh slot with a received context ``[lo, end)`` (absolute tokens).
 
         The slot the request gets at its next generation row starts at
-        :func:`.slot_rules.context_seed`: ``L = end``, ``b = lo // P`` (raised by
+        :func:`.slot_start.context_seed`: ``L = end``, ``b = lo // P`` (raised by
         :meth:`clamped_base` if the context is longer than ``max_ctx_len``).
         Only that first slot: a later loss (evict) reseeds an empty slot as
         usual. The caller checks the mirror backs ``[lo, end)`` (see

@@ -38,7 +38,7 @@ from tensorrt_llm_draftkv.manager.admission import (
     request_charge,
 )
 from tensorrt_llm_draftkv.manager.budget import group_pages_per_request, windowed_pages_per_request
-from tensorrt_llm_draftkv.manager.rules import MirrorPolicy
+from tensorrt_llm_draftkv.manager.rules import DraftPoolTraits
 from tensorrt_llm_draftkv.request import ContextView
 from tensorrt_llm_draftkv.runtime import LifeCycle
 from support import ceil_div
@@ -204,12 +204,12 @@ def test_only_new_requests_are_checked():
 
 
 def test_prompt_phase_sizes_follow_the_rules():
-    policy = MirrorPolicy(Mode.DFLASH)
+    policy = DraftPoolTraits(Mode.DFLASH)
     # chunks [64, 96), [96, 100): history = start on each, then the view's end, then update_resources.
     assert prompt_phase_sizes(policy, prompt_len=100, chunk=32, start=64, max_draft_len=3, num_extra_kv_tokens=1) == [
         (97, 64), (97, 96), (104, 96), (104, 100), (101, 100)
     ]
-    pard = MirrorPolicy(Mode.PARD)
+    pard = DraftPoolTraits(Mode.PARD)
     assert prompt_phase_sizes(pard, prompt_len=100, chunk=32, start=64)[0] == (96, 0)  # no history
     assert prompt_phase_sizes(pard, prompt_len=100, chunk=32, disagg_generation_init=True, max_draft_len=2) == [(103, 100)]
     assert held_pages(LifeCycle(16, 1), 4, 40, 30) == 10 - (3 - 1)  # ordinals 1, 2 stale; the sink stays

@@ -10,7 +10,7 @@ from tensorrt_llm_draftkv.manager import admission, rules
 from tensorrt_llm_draftkv.runtime.life_cycle import LifeCycle
 
 P, W, CHUNK = 32, 4096, 8192
-POLICY = rules.MirrorPolicy(Mode.DFLASH)
+POLICY = rules.DraftPoolTraits(Mode.DFLASH)
 LIFE_CYCLES = [LifeCycle(W).widened(P)]
 KW = dict(request_id=7, prompt_len=131071, chunk=CHUNK, max_draft_len=7, num_extra_kv_tokens=8, max_new_tokens=64)
 

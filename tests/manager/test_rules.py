@@ -13,7 +13,7 @@ import pytest
 
 from tensorrt_llm_draftkv import SpeculativeDecodingMode as Mode
 from tensorrt_llm_draftkv.manager import rules
-from tensorrt_llm_draftkv.manager.rules import MirrorPolicy, MirrorSizing
+from tensorrt_llm_draftkv.manager.rules import DraftPoolTraits, MirrorSizing
 
 ALL_MODES = list(Mode)
 EXTERNAL = {Mode.PARD, Mode.DFLASH, Mode.DSPARK, Mode.DRAFT_TARGET_ONE_MODEL}
@@ -47,15 +47,15 @@ def test_unknown_sizing_is_refused_with_the_choices():
 
 
 def test_history_is_the_default_rule_set():
-    assert MirrorPolicy(Mode.DFLASH).sizing is MirrorSizing.HISTORY
-    assert MirrorPolicy(Mode.DFLASH).joint_kv_cache_reuse is False
+    assert DraftPoolTraits(Mode.DFLASH).sizing is MirrorSizing.HISTORY
+    assert DraftPoolTraits(Mode.DFLASH).joint_kv_cache_reuse is False
 
 
 # -- which view ------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ALL_MODES)
 @pytest.mark.parametrize("joint", [False, True])
 def test_history_rules_send_only_external_drafters_to_the_target_view(mode, joint):
-    policy = MirrorPolicy(mode, MirrorSizing.HISTORY, joint)
+    policy = DraftPoolTraits(mode, MirrorSizing.HISTORY, joint)
     # A pool that joins the target's block reuse shares the target's progress: the target view for
     # every drafter (upstream's request_context(not joint, batch)); otherwise only external drafters.
     assert rules.mirror_uses_draft_view(policy) is (not joint and mode not in EXTERNAL)
@@ -65,7 +65,7 @@ def test_history_rules_send_only_external_drafters_to_the_target_view(mode, join
 @pytest.mark.parametrize("joint", [False, True])
 def test_only_external_drafters_pass_a_history_with_a_context_resize(mode, joint):
     # MTP, Eagle3 and two-engine drafters keep the old resize(capacity) whichever view they read
-    policy = MirrorPolicy(mode, MirrorSizing.HISTORY, joint)
+    policy = DraftPoolTraits(mode, MirrorSizing.HISTORY, joint)
     history = rules.context_history(policy, start=96, mirror_covers_start=True)
     assert history == (96 if mode in EXTERNAL else None)
 
@@ -73,7 +73,7 @@ def test_only_external_drafters_pass_a_history_with_a_context_resize(mode, joint
 @pytest.mark.parametrize("mode", ALL_MODES)
 @pytest.mark.parametrize("joint", [False, True])
 def test_legacy_rules_read_the_draft_view_unless_the_pool_joins_reuse(mode, joint):
-    policy = MirrorPolicy(mode, MirrorSizing.LEGACY, joint)
+    policy = DraftPoolTraits(mode, MirrorSizing.LEGACY, joint)
     assert rules.mirror_uses_draft_view(policy) is (not joint)
 
 
@@ -99,7 +99,7 @@ def test_context_capacity_is_start_plus_chunk_plus_extra_plus_drafts_on_the_last
 @pytest.mark.parametrize("covers", [False, True])
 @pytest.mark.parametrize("joint", [False, True])
 def test_context_history_table(mode, start, covers, joint):
-    history_policy = MirrorPolicy(mode, MirrorSizing.HISTORY, joint)
+    history_policy = DraftPoolTraits(mode, MirrorSizing.HISTORY, joint)
     got = rules.context_history(history_policy, start=start, mirror_covers_start=covers)
     if mode not in EXTERNAL:
         expected = None  # draft-view mirrors keep the old resize(capacity)
@@ -110,7 +110,7 @@ def test_context_history_table(mode, start, covers, joint):
     else:
         expected = None  # PARD / draft-target first seen past 0: old sizing
     assert got == expected
-    legacy = MirrorPolicy(mode, MirrorSizing.LEGACY, joint)
+    legacy = DraftPoolTraits(mode, MirrorSizing.LEGACY, joint)
     assert rules.context_history(legacy, start=start, mirror_covers_start=covers) is None
 
 
@@ -119,12 +119,12 @@ def test_context_history_table(mode, start, covers, joint):
 @pytest.mark.parametrize("prompt, draft, extra", [(65536, 3, 0), (131015, 7, 1), (1, 0, 0)])
 def test_disagg_gen_init_is_absolute_with_the_prompt_as_history(mode, prompt, draft, extra):
     headroom = 1 + draft + extra
-    policy = MirrorPolicy(mode)
+    policy = DraftPoolTraits(mode)
     got = rules.disagg_gen_init_sizing(
         policy, prompt_len=prompt, generation_headroom=headroom, draft_tokens=draft, extra_tokens=extra
     )
     assert got == (prompt + headroom, prompt)
-    legacy = MirrorPolicy(mode, MirrorSizing.LEGACY)
+    legacy = DraftPoolTraits(mode, MirrorSizing.LEGACY)
     got = rules.disagg_gen_init_sizing(
         legacy, prompt_len=prompt, generation_headroom=headroom, draft_tokens=draft, extra_tokens=extra
     )
@@ -136,8 +136,8 @@ def test_disagg_gen_init_is_absolute_with_the_prompt_as_history(mode, prompt, dr
 @pytest.mark.parametrize("mode", ALL_MODES)
 @pytest.mark.parametrize("hint", [None, 0, 4095])
 def test_dummy_history_passes_the_hint_only_under_history_rules(mode, hint):
-    assert rules.dummy_history(MirrorPolicy(mode), hint) == hint
-    assert rules.dummy_history(MirrorPolicy(mode, MirrorSizing.LEGACY), hint) is None
+    assert rules.dummy_history(DraftPoolTraits(mode), hint) == hint
+    assert rules.dummy_history(DraftPoolTraits(mode, MirrorSizing.LEGACY), hint) is None
 
 
 @pytest.mark.parametrize(
@@ -145,7 +145,7 @@ def test_dummy_history_passes_the_hint_only_under_history_rules(mode, hint):
     list(itertools.product(ALL_MODES, list(MirrorSizing), [False, True], [False, True], [1, 16, 32])),
 )
 def test_trail_tokens_are_one_page_only_on_windowed_dflash_dspark_history_pools(mode, sizing, windowed, trail_page, p):
-    policy = MirrorPolicy(mode, sizing)
+    policy = DraftPoolTraits(mode, sizing)
     got = rules.draft_slot_trail_tokens(policy, tokens_per_block=p, any_windowed_group=windowed, trail_page=trail_page)
     on = mode in TRAILING and sizing is MirrorSizing.HISTORY and windowed and trail_page
     assert got == (p if on else 0)

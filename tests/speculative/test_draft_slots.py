@@ -2,7 +2,7 @@
 
 `DFlashDraftSlots` on a real draft manager, driven by the test executor
 (tests/executor_fixture.py) where a test needs steps and actual pages written;
-the pure rules are in test_slot_rules.py.
+the pure rules are in test_slot_start.py.
 """
 from __future__ import annotations
 

@@ -4,13 +4,13 @@
 private per-slot arena when there is no draft manager); :func:`plan_rows`
 gives every row of the step (context rows, then generation rows) its slot and,
 where the slot is fresh or a context chunk does not continue it, its start.
-Everything happens on a :class:`~.slot_plan.SlotPlan`'s working copies, so a
+Everything happens on a :class:`~.slot_snapshot.SlotPlan`'s working copies, so a
 step that fails changes nothing; ``DFlashDraftSlots.prepare`` applies the plan.
 
 Coordinates: a row's position is an absolute token position (its history for
 a generation row, the chunk's first position for a context row); a start is
 ``(ctx_len L, base_pages b, offset)``: slot positions (tokens), pages, and the
-absolute position of slot position 0 (see :mod:`.slot_rules`). Split from
+absolute position of slot position 0 (see :mod:`.slot_start`). Split from
 :mod:`.draft_slots`, whose private ``_starts`` and ``_plan_rows`` these were.
 """
 from __future__ import annotations
@@ -18,11 +18,11 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from ..request import LlmRequest, target_view
-from . import slot_rules as rules
+from . import slot_start as rules
 from .addressing import Row
 from .draft_pool import DraftPool
-from .slot_plan import SlotPlan
-from .slot_rules import Seeding, SlotStart, StartRules
+from .slot_snapshot import SlotPlan
+from .slot_start import Seeding, SlotStart, StartRules
 from .slot_table import NO_STORE_LIMIT
 
 #: ``take_context_seed(plan, request_id, position)``: the start a received context gives, or None

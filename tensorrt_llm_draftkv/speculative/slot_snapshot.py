@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from .slot_rules import SlotStart
+from .slot_start import SlotStart
 
 
 @dataclasses.dataclass(frozen=True)

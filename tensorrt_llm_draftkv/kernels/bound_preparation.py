@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 
+from . import _dispatch
 from . import _launch as _fl
 from . import _one_pass_call
 from . import spec_tail_kernels as _api
@@ -87,7 +88,7 @@ class BoundPreparation:
         if bound is not None and not _fl.hooked() and torch.cuda.current_device() == bound[2]:
             run, grid, index, args = bound
             run(grid[0], grid[1], 1, _fl.raw_stream(index), *args)
-            _api.LAUNCH_COUNTS[_ONE_PASS] += 1
+            _dispatch.LAUNCH_COUNTS[_ONE_PASS] += 1
             return self.out
         return self._checked()
 

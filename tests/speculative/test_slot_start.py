@@ -1,4 +1,4 @@
-"""The pure DFlash slot rules of `slot_rules`: store start, generation seed, trail page, read window.
+"""The pure DFlash slot rules of `slot_start`: store start, generation seed, trail page, read window.
 
 No draft manager, no metadata, no executor: each test calls the rule functions directly.
 """
@@ -58,7 +58,7 @@ def test_page_aligned_seed_needs_the_trail_page_on_windowed_pools():
 
 
 def test_read_window_start():
-    from tensorrt_llm_draftkv.speculative.slot_rules import read_window_start
+    from tensorrt_llm_draftkv.speculative.slot_start import read_window_start
 
     assert read_window_start(100, 4, None) == 0
     assert read_window_start(100, 4, 64) == 40  # the block and its context span the last 64 positions
