@@ -12,9 +12,6 @@ import os
 import sys
 from pathlib import Path
 
-from .cli_plan import add_plan_args, run_plan
-from .cli_simulate import add_simulate_args, run_simulate
-
 PROG = "python -m tensorrt_llm_draftkv"  # the program name unless the caller gives its own (see program_name)
 MODULE_PROG = "python -m draftkv_sim"  # the name when started as the simulator's own module
 BENCH_SCRIPT = Path("benchmarks") / "kernels.py"
@@ -28,6 +25,11 @@ def package_version() -> str:
         return metadata.version("tensorrt_llm_draftkv")
     except metadata.PackageNotFoundError:
         return "unknown (not installed: pip install -e .)"
+
+
+def version_line() -> str:
+    """What `--version` prints."""
+    return f"tensorrt_llm_draftkv {package_version()}"
 
 
 def program_name(argv0: str, module_prog: str = PROG) -> str:
@@ -113,8 +115,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
 # -- the parser -------------------------------------------------------------------------------
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    # Imported here: the subcommands load the library and torch, which `--version` does not need.
+    from .cli_plan import add_plan_args
+    from .cli_simulate import add_simulate_args
+
     parser = argparse.ArgumentParser(prog=prog)
-    parser.add_argument("--version", action="version", version=f"tensorrt_llm_draftkv {package_version()}")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command")
     simulate = sub.add_parser("simulate", help="the embedded long-prompt scenario, legacy vs history (default)")
     add_simulate_args(simulate)
@@ -129,14 +135,19 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     """`prog`: the program name errors and --help show (the console script gives its own, `draftkv`)."""
-    parser = build_parser(prog)
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--version"]:  # answered before the parsers load the library (and torch): instant
+        print(version_line())
+        return 0
     if argv[:1] == ["bench"]:
         rest = argv[1:]  # every option, --help included, is the benchmark's
         return _quiet_on_closed_pipe(lambda: run_bench(argparse.Namespace(rest=rest, prog=prog)))
     if not argv or argv[0] not in ("simulate", "plan", "bench", "-h", "--help", "--version"):
         argv.insert(0, "simulate")  # simulate is the default command, options included
-    args = parser.parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
+    from .cli_plan import run_plan
+    from .cli_simulate import run_simulate
+
     return _quiet_on_closed_pipe(lambda: {"simulate": run_simulate, "plan": run_plan}[args.command](args))
 
 

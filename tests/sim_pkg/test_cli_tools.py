@@ -122,6 +122,26 @@ def test_version_prints_the_package_version(elsewhere):
     assert version == setup_version
 
 
+@pytest.mark.parametrize("module", ["tensorrt_llm_draftkv", "draftkv_sim"])
+def test_version_loads_neither_torch_nor_the_library(module):
+    """`--version` answers before anything heavy loads (it took seconds when it imported torch first)."""
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['{module}', '--version']\n"
+        "try:\n"
+        f"    runpy.run_module('{module}', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert e.code in (0, None), e.code\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'numpy')\n"
+        "               or m.startswith(('tensorrt_llm_draftkv.', 'draftkv_sim.cli_')))\n"
+        "print('HEAVY', heavy)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("tensorrt_llm_draftkv ")
+    assert proc.stdout.strip().splitlines()[-1] == "HEAVY []"
+
+
 # -- the example ---------------------------------------------------------------------------------------
 def test_the_executor_step_example_runs_and_frees_every_page(tmp_path):
     proc = subprocess.run(
