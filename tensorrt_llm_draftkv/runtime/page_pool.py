@@ -109,6 +109,11 @@ class PagePool:
         """Stop calling `fn` (ValueError if it was never added)."""
         self._listeners.remove(fn)
 
+    @property
+    def listeners(self) -> tuple[PoolListener, ...]:
+        """The listeners called on every change, in the order they were added (a copy)."""
+        return tuple(self._listeners)
+
     def _emit(self, event: str, pages: list[int], owner: object | None) -> None:
         if not pages:  # an empty call changes nothing, so nobody hears it
             return

@@ -431,10 +431,10 @@ def test_the_pre_fix_seeding_is_still_reported_as_foreign():
 def test_detach_unsubscribes_and_a_dropped_checker_leaves_the_pools():
     dm = _manager()
     chk = OwnershipChecker(dm)
-    assert chk.page_holders.attached and all(len(p._listeners) == 1 for p in dm.pools())
+    assert chk.page_holders.attached and all(len(p.listeners) == 1 for p in dm.pools())
     chk.detach()
     assert not chk.page_holders.attached and chk.page_holders.holders_of == {}
-    assert all(p._listeners == [] for p in dm.pools())
+    assert all(p.listeners == () for p in dm.pools())
     _prefill(dm, [1], 1)
     assert chk.page_holders.holders_of == {} and chk.accounting_errors == 0
     chk.detach()  # idempotent
@@ -442,7 +442,7 @@ def test_detach_unsubscribes_and_a_dropped_checker_leaves_the_pools():
     del dropped
     gc.collect()
     _prefill(dm, [2], 1)  # the next event finds the checker gone and unsubscribes it
-    assert all(p._listeners == [] for p in dm.pools())
+    assert all(p.listeners == () for p in dm.pools())
 
 
 def test_a_private_arena_checker_keeps_the_given_row_as_the_truth():
