@@ -432,7 +432,7 @@ def check_something_runs(scenario, sizings: list[str]) -> None:
     raise UsageError("--sizing", f"{' and '.join(sizings)} leaves nothing to run: {'; '.join(reasons)}; {fix}")
 
 
-def _notes(scenario) -> list[str]:
+def scenario_notes(scenario) -> list[str]:
     """What a valid but overcommitted scenario will run into (said, not refused: it may be the experiment)."""
     notes = []
     for spec in scenario.runs:
@@ -472,7 +472,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(scenario.to_dict(), indent=2))
         return 0
-    for note in _notes(scenario):
+    for note in scenario_notes(scenario):
         print(note, file=sys.stderr)
 
     import torch

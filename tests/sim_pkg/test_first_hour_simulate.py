@@ -69,16 +69,16 @@ def _scenario_of(*argv: str):
 
 
 def test_one_request_is_not_warned_about_resize_failures():
-    from draftkv_sim.cli_simulate import _notes
+    from draftkv_sim.cli_simulate import scenario_notes
 
-    assert _notes(_scenario_of("--prompts", "1000", "--concurrency", "100")) == []
-    assert _notes(_scenario_of("--prompts", "1000x8", "--concurrency", "100")) == []  # 8 fit the 8-request pools
+    assert scenario_notes(_scenario_of("--prompts", "1000", "--concurrency", "100")) == []
+    assert scenario_notes(_scenario_of("--prompts", "1000x8", "--concurrency", "100")) == []  # 8 fit the 8-request pools
 
 
 def test_more_requests_in_flight_than_the_pools_hold_are_warned_with_the_real_number():
-    from draftkv_sim.cli_simulate import _notes
+    from draftkv_sim.cli_simulate import scenario_notes
 
-    notes = _notes(_scenario_of("--prompts", "1000x20", "--concurrency", "100", "--mode", "aggregated"))
+    notes = scenario_notes(_scenario_of("--prompts", "1000x20", "--concurrency", "100", "--mode", "aggregated"))
     assert notes == [
         "note: run user-agg keeps 20 requests in flight in pools sized for 8 (--pool-requests): expect resize failures"
     ]
