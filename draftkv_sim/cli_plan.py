@@ -15,6 +15,7 @@ import os
 import sys
 from fractions import Fraction
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tensorrt_llm_draftkv.config import (
     DEFAULT_DRAFTER,
@@ -29,6 +30,9 @@ from .cli_simulate import UsageError, check_output_path, page_size, usage_fail
 from tensorrt_llm_draftkv.manager.plan_format import format_bytes, format_report, format_savings
 from tensorrt_llm_draftkv.manager.planner import GIB, PoolGeometry, PoolReport, gib_to_bytes, plan_pool, trail_tokens_for
 from tensorrt_llm_draftkv.manager.reuse_savings import prefix_reuse_savings
+
+if TYPE_CHECKING:  # annotations only: plan itself never needs torch loaded here
+    import torch
 
 PROG = "python -m tensorrt_llm_draftkv plan"
 
@@ -161,6 +165,14 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         "for a geometry and a budget. Byte budgets are per rank (one GPU)."
     )
     p.set_defaults(_plan_parser=p)
+    # the help lists options in the order they are added: draft geometry, its budget, then the target
+    _add_draft_args(p)
+    _add_draft_budget_args(p)
+    _add_target_args(p)
+
+
+def _add_draft_args(p: argparse.ArgumentParser) -> None:
+    """The draft pool's geometry and sizing options, and the output options (ungrouped in the help)."""
     p.add_argument(
         "--drafter", default=DEFAULT_DRAFTER.label, type=_mode, help="speculative mode (dflash, dspark, pard, mtp, ...)"
     )
@@ -194,6 +206,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         help="also print what block reuse saves per request sharing an N-token prefix (pages, bytes, per pool)",
     )
 
+
+def _add_draft_budget_args(p: argparse.ArgumentParser) -> None:
+    """The draft pool budget group: bytes, token slots or a fraction of the device (one at a time)."""
     b = p.add_argument_group("draft pool budget (one of --pool-gib, --max-tokens, --memory-fraction)")
     forms = b.add_mutually_exclusive_group()
     forms.add_argument(
@@ -214,6 +229,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         help="memory of one device in GiB (with --memory-fraction only)",
     )
 
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    """The target pool group: its geometry and its budget (bytes or token slots)."""
     t = p.add_argument_group("target pool (planned only when target layers are given)")
     t.add_argument("--target-num-layers", type=layers, default=0, help="windowed target layers")
     t.add_argument("--target-num-full-layers", type=layers, default=0, help="full-attention target layers")
@@ -407,13 +425,9 @@ def _inputs(args: argparse.Namespace) -> dict:
     return out
 
 
-def run_plan(args: argparse.Namespace) -> int:
-    parser = _parser(args)
-    _check(args, parser)
+def _plan_draft(args: argparse.Namespace, dtype: torch.dtype, common: dict) -> tuple[PoolGeometry, PoolReport, dict]:
+    """The draft pool: its geometry, its report, and its budget as the JSON and the text show it."""
     mode = args.drafter
-    dtype = parse_dtype(args.dtype)
-    common = dict(max_seq_len=args.max_seq_len, chunk=args.chunk, max_draft_len=args.max_draft_len)
-
     geometry = PoolGeometry(
         _groups(args.num_layers, args.window, args.num_full_layers),
         args.num_kv_heads, args.head_dim, dtype, args.tokens_per_block, tp_size=args.tp,
@@ -424,47 +438,88 @@ def run_plan(args: argparse.Namespace) -> int:
         num_extra_kv_tokens=args.num_extra_kv_tokens,
         trail_tokens=trail_tokens_for(mode, geometry, is_draft_pool=True),
     )
+    return geometry, report, budget
+
+
+def _plan_target(
+    args: argparse.Namespace, dtype: torch.dtype, common: dict,
+) -> tuple[PoolGeometry | None, PoolReport | None, dict | None]:
+    """The target pool as :func:`_plan_draft` gives the draft one; three Nones without target layers."""
     target_groups = _groups(args.target_num_layers, args.target_window, args.target_num_full_layers)
-    target = target_report = target_budget = None
-    if target_groups:
-        target = PoolGeometry(
-            target_groups, args.target_num_kv_heads, args.target_head_dim, dtype, args.tokens_per_block,
-            tp_size=args.tp,
-        )
-        target_kw, target_budget = _target_budget(args)
-        target_report = plan_pool(
-            "target", target, **target_kw, **common, num_extra_kv_tokens=args.target_num_extra_kv_tokens
-        )
+    if not target_groups:
+        return None, None, None
+    target = PoolGeometry(
+        target_groups, args.target_num_kv_heads, args.target_head_dim, dtype, args.tokens_per_block,
+        tp_size=args.tp,
+    )
+    target_kw, target_budget = _target_budget(args)
+    target_report = plan_pool(
+        "target", target, **target_kw, **common, num_extra_kv_tokens=args.target_num_extra_kv_tokens
+    )
+    return target, target_report, target_budget
+
+
+def _print_draft(args: argparse.Namespace, geometry: PoolGeometry, report: PoolReport, result: dict) -> str | None:
+    """Print the draft pool's table, budget and savings, fill them into ``result``; return its shortfall."""
+    budget = result["draft"]["budget"]
+    print(format_report(report, args.tokens_per_block))
+    print(_budget_line(budget, report))
+    if args.shared_prefix:
+        saved = prefix_reuse_savings(report.name, geometry, args.shared_prefix, trail_tokens=report.trail_tokens)
+        print(format_savings(saved))
+        result["draft"]["shared_prefix_savings"] = saved.to_dict()
+    return _shortfall_message(report, budget, args.tokens_per_block)
+
+
+def _print_target(
+    args: argparse.Namespace, target: PoolGeometry, target_report: PoolReport, target_budget: dict,
+    report: PoolReport, result: dict,
+) -> str | None:
+    """Print the target pool and what both pools hold together, fill them into ``result``; return its shortfall."""
+    print()
+    print(format_report(target_report, args.tokens_per_block))
+    print(_budget_line(target_budget, target_report))
+    if args.shared_prefix:
+        saved = prefix_reuse_savings("target", target, args.shared_prefix)
+        print(format_savings(saved))
+        result["target_shared_prefix_savings"] = saved.to_dict()
+    both = min(report.max_concurrency, target_report.max_concurrency)
+    both_aligned = min(report.max_concurrency_aligned, target_report.max_concurrency_aligned)
+    print(f"\nconcurrent requests both pools hold: {both} ({both_aligned} with the aligned charge)")
+    result["target"] = {**target_report.to_dict(), "budget": target_budget}
+    result["max_concurrency"] = both
+    result["max_concurrency_aligned"] = both_aligned
+    return _shortfall_message(target_report, target_budget, args.tokens_per_block, target=True)
+
+
+def _write_json(parser: argparse.ArgumentParser, path: str, result: dict) -> bool:
+    """Write ``result`` to ``path``; on failure say why on stderr and return False."""
+    try:
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+    except OSError as err:
+        print(f"{parser.prog}: error: argument --json: cannot write {path!r}: {err.strerror or err}",
+              file=sys.stderr)
+        return False
+    return True
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    parser = _parser(args)
+    _check(args, parser)
+    dtype = parse_dtype(args.dtype)
+    common = dict(max_seq_len=args.max_seq_len, chunk=args.chunk, max_draft_len=args.max_draft_len)
+    geometry, report, budget = _plan_draft(args, dtype, common)
+    target, target_report, target_budget = _plan_target(args, dtype, common)
     # A budget past what a pool can address is a bad input: refused before any table.
     for message in (_page_limit_message(report, budget), target_report and _page_limit_message(
             target_report, target_budget, target=True)):
         if message:
             parser.error(message)
 
-    print(format_report(report, args.tokens_per_block))
-    print(_budget_line(budget, report))
     result = {"inputs": _inputs(args), "draft": {**report.to_dict(), "budget": budget}}
-    if args.shared_prefix:
-        saved = prefix_reuse_savings(report.name, geometry, args.shared_prefix, trail_tokens=report.trail_tokens)
-        print(format_savings(saved))
-        result["draft"]["shared_prefix_savings"] = saved.to_dict()
-    errors = [_shortfall_message(report, budget, args.tokens_per_block)]
-
+    errors = [_print_draft(args, geometry, report, result)]
     if target_report is not None:
-        print()
-        print(format_report(target_report, args.tokens_per_block))
-        print(_budget_line(target_budget, target_report))
-        if args.shared_prefix:
-            saved = prefix_reuse_savings("target", target, args.shared_prefix)
-            print(format_savings(saved))
-            result["target_shared_prefix_savings"] = saved.to_dict()
-        both = min(report.max_concurrency, target_report.max_concurrency)
-        both_aligned = min(report.max_concurrency_aligned, target_report.max_concurrency_aligned)
-        print(f"\nconcurrent requests both pools hold: {both} ({both_aligned} with the aligned charge)")
-        result["target"] = {**target_report.to_dict(), "budget": target_budget}
-        result["max_concurrency"] = both
-        result["max_concurrency_aligned"] = both_aligned
-        errors.append(_shortfall_message(target_report, target_budget, args.tokens_per_block, target=True))
+        errors.append(_print_target(args, target, target_report, target_budget, report, result))
     else:
         result["target"] = None
         result["max_concurrency"] = report.max_concurrency
@@ -472,13 +527,8 @@ def run_plan(args: argparse.Namespace) -> int:
     errors = [e for e in errors if e]
     result["errors"] = errors
 
-    if args.json is not None:
-        try:
-            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        except OSError as err:
-            print(f"{parser.prog}: error: argument --json: cannot write {args.json!r}: {err.strerror or err}",
-                  file=sys.stderr)
-            return 1
+    if args.json is not None and not _write_json(parser, args.json, result):
+        return 1
     for message in errors:
         print(f"{parser.prog}: error: {message}", file=sys.stderr)
     return 1 if errors else 0

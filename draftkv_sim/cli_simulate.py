@@ -15,7 +15,10 @@ import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:  # annotations only: the scenario module is imported where it is used
+    from .scenario import Scenario, SimSetup
 
 PROG = "python -m tensorrt_llm_draftkv simulate"
 
@@ -330,9 +333,30 @@ def _load_config(path: str):
 
 def build_scenario(args: argparse.Namespace):
     """The scenario the options describe: the default or --config, the flags over it, the runs to execute."""
-    from .scenario import DEFAULT_SCENARIO, RunSpec, Scenario, ScenarioError
+    from .scenario import DEFAULT_SCENARIO, Scenario
 
     scenario = _load_config(args.config) if args.config else DEFAULT_SCENARIO
+    changes = _setup_changes(args)
+    # --block-reuse over the scenario's runs replaces the mode of the runs that reuse, never the twin without
+    # reuse they are compared with (see _reuse_flag); over --prompts runs it is the setup's.
+    reuse_flag = None if args.prompts else changes.pop("block_reuse", None)
+    setup = replace(scenario.setup, **changes)
+    modes = ("aggregated", "disaggregated") if args.mode == "both" else (args.mode,)
+    if args.shared_prefix and not args.prompts:
+        raise UsageError("--shared-prefix", "needs --prompts (the tails after the prefix)")
+    if args.prompts:
+        runs = _prompt_runs(args, setup, modes)
+    else:
+        runs = _config_runs(args, scenario, changes, modes)
+    if args.runs:
+        runs = _named_runs(args, runs)
+    if reuse_flag is not None:
+        runs = _reuse_flag(setup, runs, reuse_flag)
+    return _checked(args, Scenario(setup, runs))
+
+
+def _setup_changes(args: argparse.Namespace) -> dict:
+    """The setup fields the geometry flags change, by field name (windows in tokens, None = full attention)."""
     if args.full_attention_target and args.target_window:
         raise UsageError("--full-attention-target", f"contradicts --target-window {args.target_window}")
     changes = {field: getattr(args, field) for field in GEOMETRY_FLAGS if getattr(args, field) is not None}
@@ -343,49 +367,58 @@ def build_scenario(args: argparse.Namespace):
         changes["target_window"] = None
     if args.no_trail_page:
         changes["trail_page"] = False
-    # --block-reuse over the scenario's runs replaces the mode of the runs that reuse, never the twin without
-    # reuse they are compared with (see _reuse_flag); over --prompts runs it is the setup's.
-    reuse_flag = None if args.prompts else changes.pop("block_reuse", None)
-    setup = replace(scenario.setup, **changes)
-    modes = ("aggregated", "disaggregated") if args.mode == "both" else (args.mode,)
-    if args.shared_prefix and not args.prompts:
-        raise UsageError("--shared-prefix", "needs --prompts (the tails after the prefix)")
-    if args.prompts:
-        concurrency = args.concurrency or min(len(args.prompts), setup.pool_requests)
-        try:
-            runs = tuple(
-                RunSpec(RUN_NAMES[mode], mode, args.prompts, concurrency, shared_prefix=args.shared_prefix or 0)
-                for mode in modes
-            )
-        except ValueError as err:
-            raise UsageError("--shared-prefix", str(err)) from None
-    else:
-        if args.config and not scenario.runs:  # `{}` or `"runs": []`: never the built-in runs behind the user's back
-            raise UsageError(
-                "--config",
-                f"{args.config} has no runs (its 'runs' list is missing or empty): add the runs to execute "
-                "(--print-config shows the format) or give --prompts",
-            )
-        runs = scenario.runs
-        overridden = {field: None for field in RUN_OVERRIDES if field in changes}
-        if args.concurrency:
-            overridden["max_concurrency"] = args.concurrency
-        runs = tuple(replace(spec, **overridden) for spec in runs)
-        if args.mode != "both":
-            kept = tuple(spec for spec in runs if spec.mode in modes)
-            if not kept:
-                raise UsageError("--mode", f"no run is {args.mode}; runs: {', '.join(s.name for s in runs)}")
-            runs = kept
-    if args.runs:
-        known = {spec.name: spec for spec in runs}
-        missing = [name for name in args.runs if name not in known]
-        if missing:
-            of = "" if args.prompts or args.mode == "both" else f" (the {args.mode} ones)"
-            raise UsageError("--runs", f"unknown run(s) {missing}; runs{of}: {sorted(known)}")
-        runs = tuple(known[name] for name in dict.fromkeys(args.runs))
-    if reuse_flag is not None:
-        runs = _reuse_flag(setup, runs, reuse_flag)
-    scenario = Scenario(setup, runs)
+    return changes
+
+
+def _prompt_runs(args: argparse.Namespace, setup: SimSetup, modes: tuple) -> tuple:
+    """One run per mode over the --prompts lengths."""
+    from .scenario import RunSpec
+
+    concurrency = args.concurrency or min(len(args.prompts), setup.pool_requests)
+    try:
+        return tuple(
+            RunSpec(RUN_NAMES[mode], mode, args.prompts, concurrency, shared_prefix=args.shared_prefix or 0)
+            for mode in modes
+        )
+    except ValueError as err:
+        raise UsageError("--shared-prefix", str(err)) from None
+
+
+def _config_runs(args: argparse.Namespace, scenario: Scenario, changes: dict, modes: tuple) -> tuple:
+    """The scenario's own runs, the flags' overrides applied, those of the --mode asked for."""
+    if args.config and not scenario.runs:  # `{}` or `"runs": []`: never the built-in runs behind the user's back
+        raise UsageError(
+            "--config",
+            f"{args.config} has no runs (its 'runs' list is missing or empty): add the runs to execute "
+            "(--print-config shows the format) or give --prompts",
+        )
+    runs = scenario.runs
+    overridden = {field: None for field in RUN_OVERRIDES if field in changes}
+    if args.concurrency:
+        overridden["max_concurrency"] = args.concurrency
+    runs = tuple(replace(spec, **overridden) for spec in runs)
+    if args.mode != "both":
+        kept = tuple(spec for spec in runs if spec.mode in modes)
+        if not kept:
+            raise UsageError("--mode", f"no run is {args.mode}; runs: {', '.join(s.name for s in runs)}")
+        runs = kept
+    return runs
+
+
+def _named_runs(args: argparse.Namespace, runs: tuple) -> tuple:
+    """The runs --runs names, in its order, each once."""
+    known = {spec.name: spec for spec in runs}
+    missing = [name for name in args.runs if name not in known]
+    if missing:
+        of = "" if args.prompts or args.mode == "both" else f" (the {args.mode} ones)"
+        raise UsageError("--runs", f"unknown run(s) {missing}; runs{of}: {sorted(known)}")
+    return tuple(known[name] for name in dict.fromkeys(args.runs))
+
+
+def _checked(args: argparse.Namespace, scenario: Scenario) -> Scenario:
+    """``scenario`` once it checks; otherwise a usage error naming the option (or config file) at fault."""
+    from .scenario import ScenarioError
+
     try:
         scenario.check()
     except ScenarioError as err:

@@ -51,6 +51,21 @@ def _pool_config(
     )
 
 
+def _draft_manager(
+    config: KVPoolConfig, spec_mode: SpeculativeDecodingMode, block_size: int, joint_kv_cache_reuse: bool,
+    trail_page: bool,
+) -> DraftKVCacheManagerV2:
+    """The draft manager over ``config``, with room above history for a block of ``block_size`` tokens."""
+    return DraftKVCacheManagerV2.from_pool_config(
+        config,
+        spec_mode=spec_mode,
+        max_draft_len=block_size - 1,
+        num_extra_kv_tokens=required_extra_kv_tokens(block_size),
+        joint_kv_cache_reuse=joint_kv_cache_reuse,
+        trail_page=trail_page,
+    )
+
+
 class DraftLoop:
     """A draft manager, a DFlashDraftSlots and a DFlashDrafter driven through the executor by a truth oracle."""
 
@@ -124,14 +139,7 @@ class DraftLoop:
             tokens_per_block=tokens_per_block, num_kv_heads=num_kv_heads, head_dim=head_dim, device=device,
             guard_page=guard_page, max_seq_len=max_seq_len,
         )
-        dm = DraftKVCacheManagerV2.from_pool_config(
-            config,
-            spec_mode=spec_mode,
-            max_draft_len=block_size - 1,
-            num_extra_kv_tokens=required_extra_kv_tokens(block_size),
-            joint_kv_cache_reuse=joint_kv_cache_reuse,
-            trail_page=trail_page,
-        )
+        dm = _draft_manager(config, spec_mode, block_size, joint_kv_cache_reuse, trail_page)
         drafter = build_drafter(
             dm,
             vocab_size=vocab_size,

@@ -1,7 +1,7 @@
 """The simulator's plot (`--plot`): draft pages held per executor step, one panel per row of the table."""
 from __future__ import annotations
 
-from .run_result import RunResult
+from .run_result import PlotTrace, RunResult
 from .scenario import SimSetup
 
 
@@ -72,8 +72,6 @@ def estimate_curve(r: RunResult) -> list[int]:
 
 def _plot_panel(ax, r: RunResult) -> None:
     """One row of the table (see `write_plot`)."""
-    import textwrap
-
     from matplotlib.ticker import MaxNLocator
 
     occupancy = list(r.draft_pool_occupancy)
@@ -107,6 +105,15 @@ def _plot_panel(ax, r: RunResult) -> None:
         f"peak {r.peak_draft_pages_per_request}/{est} pages per request, {r.foreign_page_accesses:,} foreign",
         fontsize=8.5,
     )
+    _plot_foreign(ax, r, trace, last, headroom)
+    if r.first_error:
+        _plot_failure(ax, r, occupancy)
+
+
+def _plot_foreign(ax, r: RunResult, trace: PlotTrace | None, last: int, headroom: float) -> None:
+    """Foreign accesses per executor step on a twin axis of ``ax`` (without a trace: the total at step ``last``)."""
+    from matplotlib.ticker import MaxNLocator
+
     # foreign accesses: their own axis (zero is a flat line at the bottom)
     twin = ax.twinx()
     foreign = list(trace.foreign_per_step) if trace is not None else []
@@ -119,16 +126,20 @@ def _plot_panel(ax, r: RunResult) -> None:
     twin.yaxis.set_major_locator(MaxNLocator(integer=True))
     twin.set_ylabel("foreign accesses", fontsize=8, color="C3")
     twin.tick_params(labelsize=7, colors="C3")
-    # the failure, with its error text
-    if r.first_error:
-        died = r.resize_failures > 0
-        if died:
-            ax.axvline(len(occupancy) + 0.5, color="red", ls="-.", lw=1.2)
-        head = ""
-        if died:
-            head = f"died after {len(occupancy)} steps: " if occupancy else "died before its first step: "
-        color = "red" if died else "C1"
-        ax.text(
-            0.02, 0.97, textwrap.fill(head + r.first_error, width=70), transform=ax.transAxes, ha="left", va="top",
-            fontsize=6.8, color=color, bbox=dict(boxstyle="round,pad=0.3", fc="white", ec=color, alpha=0.9),
-        )
+
+
+def _plot_failure(ax, r: RunResult, occupancy: list) -> None:
+    """Mark where the run died (after ``len(occupancy)`` steps) and box its first error on ``ax``."""
+    import textwrap
+
+    died = r.resize_failures > 0
+    if died:
+        ax.axvline(len(occupancy) + 0.5, color="red", ls="-.", lw=1.2)
+    head = ""
+    if died:
+        head = f"died after {len(occupancy)} steps: " if occupancy else "died before its first step: "
+    color = "red" if died else "C1"
+    ax.text(
+        0.02, 0.97, textwrap.fill(head + r.first_error, width=70), transform=ax.transAxes, ha="left", va="top",
+        fontsize=6.8, color=color, bbox=dict(boxstyle="round,pad=0.3", fc="white", ec=color, alpha=0.9),
+    )

@@ -72,56 +72,14 @@ def build_executor(
     the draft manager's `joint_kv_cache_reuse` and `pair_joint_reuse`; either way a fresh prompt waits for
     an earlier one's prefill to finish (`SchedulerConfig.serial_prefill`), so its lookup sees every page.
     """
-    device = setup.device
     reuse = setup.block_reuse != "off"
     joint = setup.block_reuse == "joint" and sizing is not None
-    target_cfg = KVPoolConfig(
-        (LayerGroupConfig(1, window=setup.target_window),),
-        pages_per_group=(setup.pool_requests * target_pages_per_request(setup),),
-        tokens_per_block=setup.tokens_per_block,
-        num_kv_heads=1,
-        head_dim=setup.target_dim,
-        dtype=torch.float64,
-        device=device,
-        max_seq_len=setup.max_seq_len,
-        enable_block_reuse=reuse,
-    )
-    target = KVCacheManagerV2.from_pool_config(target_cfg, max_draft_len=setup.max_draft_len)
+    target = _target_manager(setup)
     model = TinyTarget(TinyTargetConfig(vocab_size=setup.vocab_size, dim=setup.target_dim), target)
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_tokens=setup.chunk + setup.pool_requests * (1 + setup.max_draft_len),
-            max_num_requests=max_concurrency,
-            max_batch_size=min(max_concurrency, drafter_slots) if sizing is not None else max_concurrency,
-            chunk_size=setup.chunk,
-            max_draft_len=setup.max_draft_len if sizing is not None else 0,
-            reserve_context_row=reserve_context_row,
-            serial_prefill=reuse,
-        )
-    )
+    scheduler = _scheduler(setup, sizing, max_concurrency, drafter_slots, reserve_context_row)
     draft = speculator = None
     if sizing is not None:
-        draft_cfg = KVPoolConfig(
-            # One drafter layer per draft offset (see toy_drafter.py).
-            (LayerGroupConfig(setup.max_draft_len, window=setup.draft_window),),
-            pages_per_group=(setup.pool_requests * draft_pages_per_request(setup),),
-            tokens_per_block=setup.tokens_per_block,
-            num_kv_heads=setup.draft_kv_heads,
-            head_dim=setup.draft_head_dim,
-            dtype=torch.float32,
-            device=device,
-            max_seq_len=setup.max_seq_len,
-            enable_block_reuse=joint,
-        )
-        draft = DraftKVCacheManagerV2.from_pool_config(
-            draft_cfg,
-            spec_mode=setup.drafter,
-            max_draft_len=setup.max_draft_len,
-            num_extra_kv_tokens=setup.draft_extra_tokens,
-            sizing=sizing,
-            trail_page=setup.trail_page,
-            joint_kv_cache_reuse=joint,
-        )
+        draft = _draft_manager(setup, sizing, joint)
         if joint:
             target.pair_joint_reuse(draft)
         elif setup.block_reuse == "target":
@@ -134,6 +92,65 @@ def build_executor(
         max_new_tokens=setup.max_new_tokens,
         draft_manager=draft,
         speculator=speculator,
+    )
+
+
+def _target_manager(setup: SimSetup) -> KVCacheManagerV2:
+    """The target's cache manager: one layer group, a pool sized for ``setup.pool_requests`` requests."""
+    target_cfg = KVPoolConfig(
+        (LayerGroupConfig(1, window=setup.target_window),),
+        pages_per_group=(setup.pool_requests * target_pages_per_request(setup),),
+        tokens_per_block=setup.tokens_per_block,
+        num_kv_heads=1,
+        head_dim=setup.target_dim,
+        dtype=torch.float64,
+        device=setup.device,
+        max_seq_len=setup.max_seq_len,
+        enable_block_reuse=setup.block_reuse != "off",
+    )
+    return KVCacheManagerV2.from_pool_config(target_cfg, max_draft_len=setup.max_draft_len)
+
+
+def _scheduler(
+    setup: SimSetup, sizing: MirrorSizing | None, max_concurrency: int, drafter_slots: int,
+    reserve_context_row: bool,
+) -> Scheduler:
+    """The scheduler: token budget for one chunk plus every request's step; no drafts without a drafter."""
+    return Scheduler(
+        SchedulerConfig(
+            max_num_tokens=setup.chunk + setup.pool_requests * (1 + setup.max_draft_len),
+            max_num_requests=max_concurrency,
+            max_batch_size=min(max_concurrency, drafter_slots) if sizing is not None else max_concurrency,
+            chunk_size=setup.chunk,
+            max_draft_len=setup.max_draft_len if sizing is not None else 0,
+            reserve_context_row=reserve_context_row,
+            serial_prefill=setup.block_reuse != "off",
+        )
+    )
+
+
+def _draft_manager(setup: SimSetup, sizing: MirrorSizing, joint: bool) -> DraftKVCacheManagerV2:
+    """The drafter's cache manager: one windowed group, a pool sized for ``setup.pool_requests`` requests."""
+    draft_cfg = KVPoolConfig(
+        # One drafter layer per draft offset (see toy_drafter.py).
+        (LayerGroupConfig(setup.max_draft_len, window=setup.draft_window),),
+        pages_per_group=(setup.pool_requests * draft_pages_per_request(setup),),
+        tokens_per_block=setup.tokens_per_block,
+        num_kv_heads=setup.draft_kv_heads,
+        head_dim=setup.draft_head_dim,
+        dtype=torch.float32,
+        device=setup.device,
+        max_seq_len=setup.max_seq_len,
+        enable_block_reuse=joint,
+    )
+    return DraftKVCacheManagerV2.from_pool_config(
+        draft_cfg,
+        spec_mode=setup.drafter,
+        max_draft_len=setup.max_draft_len,
+        num_extra_kv_tokens=setup.draft_extra_tokens,
+        sizing=sizing,
+        trail_page=setup.trail_page,
+        joint_kv_cache_reuse=joint,
     )
 
 

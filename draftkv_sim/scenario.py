@@ -348,40 +348,8 @@ class RunSpec:
             raise ScenarioError(f"{where}.name", f"must be a non-empty name without surrounding spaces, got {name!r}")
         if data["mode"] not in MODES:
             raise ScenarioError(f"{where}.mode", f"must be 'aggregated' or 'disaggregated', got {data['mode']!r}")
-        raw = data["prompts"]
-        if isinstance(raw, str):
-            try:
-                prompts = parse_prompt_list(raw)
-            except ValueError as err:
-                raise ScenarioError(f"{where}.prompts", str(err)) from None
-        elif isinstance(raw, list) and raw:
-            if len(raw) > MAX_PROMPTS_PER_RUN:
-                raise ScenarioError(f"{where}.prompts", f"more than {MAX_PROMPTS_PER_RUN} prompts in one run")
-            prompts = tuple(_int(n, f"{where}.prompts[{i}]") for i, n in enumerate(raw))
-        else:
-            raise ScenarioError(
-                f"{where}.prompts",
-                f"must be a non-empty list of token counts or a string like '131071,262144x4', got {raw!r}",
-            )
-        optional: dict[str, Any] = {}
-        for key in ("drafter_slots", "max_new_tokens"):
-            if data.get(key) is not None:
-                optional[key] = _int(data[key], f"{where}.{key}")
-        if data.get("draft_window") is not None:
-            optional["draft_window"] = _int(data["draft_window"], f"{where}.draft_window", minimum=0)
-        if data.get("shared_prefix") is not None:
-            optional["shared_prefix"] = _int(data["shared_prefix"], f"{where}.shared_prefix", minimum=0)
-        if data.get("block_reuse") is not None:
-            optional["block_reuse"] = parse_block_reuse(data["block_reuse"], f"{where}.block_reuse")
-        if "reserve_context_row" in data:
-            if not isinstance(data["reserve_context_row"], bool):
-                raise ScenarioError(f"{where}.reserve_context_row", f"must be true or false, got {data['reserve_context_row']!r}")
-            optional["reserve_context_row"] = data["reserve_context_row"]
-        if data.get("sizings") is not None:
-            raw_sizings = data["sizings"]
-            if not isinstance(raw_sizings, list) or not raw_sizings or any(x not in SIZINGS for x in raw_sizings):
-                raise ScenarioError(f"{where}.sizings", f"must be a non-empty list of {SIZINGS}, got {raw_sizings!r}")
-            optional["sizings"] = tuple(raw_sizings)
+        prompts = _run_prompts(data["prompts"], where)
+        optional = _optional_run_fields(data, where)
         note = data.get("note", "")
         if not isinstance(note, str):
             raise ScenarioError(f"{where}.note", f"must be a string, got {note!r}")
@@ -393,6 +361,48 @@ class RunSpec:
             note=note,
             **optional,
         )
+
+
+def _run_prompts(raw: Any, where: str) -> tuple[int, ...]:
+    """A run's `prompts` field: tail lengths in tokens, from a list or a string like '131071,262144x4'."""
+    if isinstance(raw, str):
+        try:
+            return parse_prompt_list(raw)
+        except ValueError as err:
+            raise ScenarioError(f"{where}.prompts", str(err)) from None
+    elif isinstance(raw, list) and raw:
+        if len(raw) > MAX_PROMPTS_PER_RUN:
+            raise ScenarioError(f"{where}.prompts", f"more than {MAX_PROMPTS_PER_RUN} prompts in one run")
+        return tuple(_int(n, f"{where}.prompts[{i}]") for i, n in enumerate(raw))
+    else:
+        raise ScenarioError(
+            f"{where}.prompts",
+            f"must be a non-empty list of token counts or a string like '131071,262144x4', got {raw!r}",
+        )
+
+
+def _optional_run_fields(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """A run's optional fields that are set, checked and converted, by field name (`note` aside)."""
+    optional: dict[str, Any] = {}
+    for key in ("drafter_slots", "max_new_tokens"):
+        if data.get(key) is not None:
+            optional[key] = _int(data[key], f"{where}.{key}")
+    if data.get("draft_window") is not None:
+        optional["draft_window"] = _int(data["draft_window"], f"{where}.draft_window", minimum=0)
+    if data.get("shared_prefix") is not None:
+        optional["shared_prefix"] = _int(data["shared_prefix"], f"{where}.shared_prefix", minimum=0)
+    if data.get("block_reuse") is not None:
+        optional["block_reuse"] = parse_block_reuse(data["block_reuse"], f"{where}.block_reuse")
+    if "reserve_context_row" in data:
+        if not isinstance(data["reserve_context_row"], bool):
+            raise ScenarioError(f"{where}.reserve_context_row", f"must be true or false, got {data['reserve_context_row']!r}")
+        optional["reserve_context_row"] = data["reserve_context_row"]
+    if data.get("sizings") is not None:
+        raw_sizings = data["sizings"]
+        if not isinstance(raw_sizings, list) or not raw_sizings or any(x not in SIZINGS for x in raw_sizings):
+            raise ScenarioError(f"{where}.sizings", f"must be a non-empty list of {SIZINGS}, got {raw_sizings!r}")
+        optional["sizings"] = tuple(raw_sizings)
+    return optional
 
 
 @dataclass(frozen=True)

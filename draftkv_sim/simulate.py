@@ -194,10 +194,7 @@ def result_row(scenario: Scenario, spec, sizing: MirrorSizing, stats, references
         resize_failures=stats.resize_failures,
         refused_requests=stats.refused_requests,
         first_error=stats.first_error,
-        foreign_page_accesses=stats.foreign_page_accesses + ctx.foreign_page_accesses,
-        stale_reads=stats.stale_reads + ctx.stale_reads,
-        unbacked_accesses=stats.unbacked_accesses + ctx.unbacked_accesses,
-        accounting_errors=stats.accounting_errors + ctx.accounting_errors,
+        **_checker_fields(stats, ctx),
         slot_reseeds=stats.slot_reseeds,
         max_seed_lag_tokens=stats.max_seed_lag_tokens,
         peak_draft_pages_per_request=stats.peak_draft_pages_per_request,
@@ -207,6 +204,37 @@ def result_row(scenario: Scenario, spec, sizing: MirrorSizing, stats, references
         skipped_warmups=stats.skipped_warmups,
         tokens_per_s=round(stats.tokens_per_s, 1),
         wall_s=round(stats.wall_s, 2),
+        **_handoff_fields(spec, setup, sizing, stats),
+        **_reuse_fields(spec, setup, stats),
+        pages_held_at_end=stats.pages_held_by_both,
+        draft_pool_occupancy=stats.draft_pool_occupancy,
+        **against_estimate(setup, stats.peak_draft_pages_per_request),
+        setup=setup,
+        max_concurrency=spec.max_concurrency,
+        plot_trace=PlotTrace(
+            bar.foreign_per_step, setup.pool_requests * draft_pages_per_request(setup),
+            list(stats.draft_requests_per_step),
+        ),
+    )
+
+
+def _checker_fields(stats: RunStats, ctx: RunStats) -> dict:
+    """The ownership checker's counts of a row, the context worker's (``ctx``) added to the generation side's."""
+    return dict(
+        foreign_page_accesses=stats.foreign_page_accesses + ctx.foreign_page_accesses,
+        stale_reads=stats.stale_reads + ctx.stale_reads,
+        unbacked_accesses=stats.unbacked_accesses + ctx.unbacked_accesses,
+        accounting_errors=stats.accounting_errors + ctx.accounting_errors,
+        shared_page_writes=stats.shared_page_writes + ctx.shared_page_writes,
+        reused_positions_checked=(
+            stats.reused_positions_checked + stats.gen_reused_positions_checked + ctx.reused_positions_checked
+        ),
+    )
+
+
+def _handoff_fields(spec: RunSpec, setup: SimSetup, sizing: MirrorSizing, stats: RunStats) -> dict:
+    """What a row says of the handoffs: the drafter context's form and bytes, the target K/V bytes."""
+    return dict(
         drafter_handoff=(
             handoff_for(setup, sizing).mode.value if spec.mode == "disaggregated" else None
         ),
@@ -215,31 +243,24 @@ def result_row(scenario: Scenario, spec, sizing: MirrorSizing, stats, references
         handoff_seeds=stats.handoff_seeds,
         reseeds_without_handoff=stats.reseeds_without_handoff,
         handoff_fallbacks=stats.handoff_fallbacks,
+        handoff_bytes_sent=stats.handoff_bytes_sent,
+        handoff_bytes_without_gen_reuse=stats.handoff_bytes_without_gen_reuse,
+        handoff_bytes_saved=stats.handoff_bytes_saved,
+    )
+
+
+def _reuse_fields(spec: RunSpec, setup: SimSetup, stats: RunStats) -> dict:
+    """What a row says of block reuse: tokens reused per request (in prompt order), pages left cached-free."""
+    return dict(
         block_reuse=setup.block_reuse,
         shared_prefix=spec.shared_prefix,
         reused_tokens=[stats.reused_tokens.get(rid, 0) for rid in range(len(spec.prompts))],
         prefill_tokens_saved=stats.prefill_tokens_saved,
-        pages_held_at_end=stats.pages_held_by_both,
-        shared_page_writes=stats.shared_page_writes + ctx.shared_page_writes,
-        reused_positions_checked=(
-            stats.reused_positions_checked + stats.gen_reused_positions_checked + ctx.reused_positions_checked
-        ),
         gen_reused_tokens=(
             [stats.gen_reused_tokens.get(rid, 0) for rid in range(len(spec.prompts))]
             if spec.mode == "disaggregated" else []
         ),
-        handoff_bytes_sent=stats.handoff_bytes_sent,
-        handoff_bytes_without_gen_reuse=stats.handoff_bytes_without_gen_reuse,
-        handoff_bytes_saved=stats.handoff_bytes_saved,
         cached_free_pages_at_end=stats.cached_free_pages_at_end + (
             stats.context_worker.cached_free_pages_at_end if stats.context_worker else 0
-        ),
-        draft_pool_occupancy=stats.draft_pool_occupancy,
-        **against_estimate(setup, stats.peak_draft_pages_per_request),
-        setup=setup,
-        max_concurrency=spec.max_concurrency,
-        plot_trace=PlotTrace(
-            bar.foreign_per_step, setup.pool_requests * draft_pages_per_request(setup),
-            list(stats.draft_requests_per_step),
         ),
     )

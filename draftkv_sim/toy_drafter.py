@@ -115,6 +115,23 @@ class _Group:
         self.storages = storages
 
 
+@dataclasses.dataclass
+class _ContextRead:
+    """The context one group's rows read this step, ``[R, width]`` each.
+
+    ``rebased``: positions rebased past the slot's base; ``ordinals``: rebased page ordinals;
+    ``pages``: pool pages (-1 where not ``valid``); ``positions``: slot positions; ``kv``: the gathered K/V.
+    """
+
+    rebased: torch.Tensor
+    valid: torch.Tensor
+    ordinals: torch.Tensor
+    pages: torch.Tensor
+    positions: torch.Tensor
+    kv: torch.Tensor
+    width: int
+
+
 class DFlashDrafter:
     """Stores target hidden states as draft K/V in the pool and decodes blocks of drafts."""
 
@@ -128,17 +145,7 @@ class DFlashDrafter:
         checker: OwnershipChecker | None = None,
         worker: DFlashWorker | None = None,
     ) -> None:
-        if features.dim != config.feature_dim:
-            raise ValueError(f"features have {features.dim}-dim sections, the drafter expects {config.feature_dim}")
-        if features.history < config.num_layers:
-            raise ValueError(
-                f"hidden states keep {features.history} tokens of history; {config.num_layers} layers need "
-                f"{config.num_layers}"
-            )
-        if features.vocab_size != config.vocab_size:
-            raise ValueError(f"features cover {features.vocab_size} tokens, the drafter {config.vocab_size}")
-        if metadata.block_size != config.block_size:
-            raise ValueError(f"metadata block_size {metadata.block_size} != drafter block_size {config.block_size}")
+        self._check_inputs(config, features, metadata)
         self.config = config
         self.features = features
         self.meta = metadata
@@ -146,30 +153,12 @@ class DFlashDrafter:
         self.checker = checker
         if checker is not None:
             checker.attach(metadata)
-        P = metadata.tokens_per_block
         self._groups: list[_Group] = []
-        windows: list = []
         if draft_manager is not None:
-            cfg = draft_manager.config
-            if cfg.tokens_per_block != P:
-                raise ValueError(f"draft pool pages hold {cfg.tokens_per_block} tokens, metadata {P}")
-            if cfg.kv_factor != 2 or cfg.num_kv_heads != config.num_kv_heads or cfg.head_dim != config.head_dim:
-                raise ValueError(
-                    f"draft pool geometry (kv_factor={cfg.kv_factor}, heads={cfg.num_kv_heads}, "
-                    f"head_dim={cfg.head_dim}) does not fit the drafter (2, {config.num_kv_heads}, {config.head_dim})"
-                )
-            total = sum(g.num_layers for g in cfg.layer_groups)
-            if total != config.num_layers:
-                raise ValueError(f"the draft pool has {total} layers, the drafter {config.num_layers}")
+            self._check_pool(config, draft_manager.config, metadata.tokens_per_block)
             #: every write into the drafter's storage goes through the worker, as in an executor
             self.worker = worker if worker is not None else bind_worker(config, metadata, draft_manager)
-            layer = 0
-            for g, group in enumerate(draft_manager.layer_groups):
-                n = len(group.pool.layers)
-                layers = list(range(layer, layer + n))
-                self._groups.append(_Group(g, layers, [self.worker._ctx_kv_buf[i] for i in layers]))
-                windows.extend([cfg.layer_groups[g].window] * n)
-                layer += n
+            windows = self._groups_from_pool(draft_manager)
             self.device = self._groups[0].storages[0].device
         else:
             self.worker = worker if worker is not None else bind_worker(config, metadata, draft_manager)
@@ -181,6 +170,50 @@ class DFlashDrafter:
         self._build_weights()
         #: test hook: ``fn(group, read_rows) -> read_rows`` applied before context reads
         self.debug_read_rows_hook: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+
+    @staticmethod
+    def _check_inputs(config: DFlashDrafterConfig, features: TokenFeatures, metadata: DFlashDraftSlots) -> None:
+        """Refuse features or slots whose geometry does not fit the drafter config."""
+        if features.dim != config.feature_dim:
+            raise ValueError(f"features have {features.dim}-dim sections, the drafter expects {config.feature_dim}")
+        if features.history < config.num_layers:
+            raise ValueError(
+                f"hidden states keep {features.history} tokens of history; {config.num_layers} layers need "
+                f"{config.num_layers}"
+            )
+        if features.vocab_size != config.vocab_size:
+            raise ValueError(f"features cover {features.vocab_size} tokens, the drafter {config.vocab_size}")
+        if metadata.block_size != config.block_size:
+            raise ValueError(f"metadata block_size {metadata.block_size} != drafter block_size {config.block_size}")
+
+    @staticmethod
+    def _check_pool(config: DFlashDrafterConfig, cfg, tokens_per_block: int) -> None:
+        """Refuse a draft pool (its manager config ``cfg``) whose pages, heads or layers do not fit the drafter."""
+        P = tokens_per_block
+        if cfg.tokens_per_block != P:
+            raise ValueError(f"draft pool pages hold {cfg.tokens_per_block} tokens, metadata {P}")
+        if cfg.kv_factor != 2 or cfg.num_kv_heads != config.num_kv_heads or cfg.head_dim != config.head_dim:
+            raise ValueError(
+                f"draft pool geometry (kv_factor={cfg.kv_factor}, heads={cfg.num_kv_heads}, "
+                f"head_dim={cfg.head_dim}) does not fit the drafter (2, {config.num_kv_heads}, {config.head_dim})"
+            )
+        total = sum(g.num_layers for g in cfg.layer_groups)
+        if total != config.num_layers:
+            raise ValueError(f"the draft pool has {total} layers, the drafter {config.num_layers}")
+
+    def _groups_from_pool(self, draft_manager) -> list:
+        """Append one :class:`_Group` per pool layer group (drafter layers numbered in pool order); return each
+        layer's window."""
+        cfg = draft_manager.config
+        windows: list = []
+        layer = 0
+        for g, group in enumerate(draft_manager.layer_groups):
+            n = len(group.pool.layers)
+            layers = list(range(layer, layer + n))
+            self._groups.append(_Group(g, layers, [self.worker._ctx_kv_buf[i] for i in layers]))
+            windows.extend([cfg.layer_groups[g].window] * n)
+            layer += n
+        return windows
 
     # ------------------------------------------------------------------ weights
     def _build_weights(self) -> None:
@@ -437,17 +470,12 @@ class DFlashDrafter:
         ``bonus_tokens`` defaults to each row's ``req.tokens[-1]``.
         """
         meta, c = self.meta, self.config
-        B, bs, P = meta.num_rows, c.block_size, meta.tokens_per_block
+        B, bs = meta.num_rows, c.block_size
         out = torch.full((B, bs - 1), -1, dtype=torch.int64, device=self.device)
         rows = [i for i, r in enumerate(meta.rows) if r.proposing]
         if not rows:
             return out
-        if bonus_tokens is None:
-            bonus = [meta.rows[i].request.tokens[-1] for i in range(B)]
-        else:
-            bonus = [int(t) for t in torch.as_tensor(bonus_tokens).reshape(-1).tolist()]
-            if len(bonus) != B:
-                raise ValueError(f"{len(bonus)} bonus tokens for {B} rows")
+        bonus = self._bonus_tokens(bonus_tokens)
         preps = self.worker.generation_prep()
         H, D, fd = c.num_kv_heads, c.head_dim, c.feature_dim
         dev = self.device
@@ -456,67 +484,116 @@ class DFlashDrafter:
         bonus_t = torch.tensor([bonus[i] for i in rows], dtype=torch.int64, device=dev)
         q_content = (self.E[bonus_t] @ self.W_q.reshape(fd, H * D)).reshape(R, 1, H, D)
         for gi, group in enumerate(self._groups):
-            Lg = len(group.layers)
-            prep = preps[group.index]
-            tables = meta.tables[group.index].tables.to(dev)[ridx].long()  # unrebased [R, M]
-            read_rows = prep.read_rows
-            if self.debug_read_rows_hook is not None:
-                read_rows = self.debug_read_rows_hook(group.index, read_rows)
-            read_rows = read_rows.to(dev)[ridx].long()
-            M = tables.shape[1]
-            rl = prep.read_lens.to(dev)[ridx]
-            shift = prep.shift.to(dev)[ridx]
-            q = prep.query_pos.to(dev)[ridx]  # [R, bs] slot positions of the block
-            q_ord = q // P
-            q_in = q_ord < M
-            q_pages = torch.where(q_in, tables.gather(1, torch.where(q_in, q_ord, 0)), -1)
-            q_off = q % P
-            # (1) append the block onto row[q // P]
-            blk_kv = self._block_kv(gi, q).reshape(R, bs, Lg, 2, H, D)
-            for r, i in enumerate(rows):
-                self._write(i, gi, q[r], q_ord[r], q_pages[r], q_off[r], blk_kv[r])
-            # (2) the context within the widest window of the group, rebased coordinates
-            #     (slot_start.read_window_start, per row)
-            wins = [self.windows[layer] for layer in group.layers]
-            widest = None if any(w is None for w in wins) else max(wins)
-            t0 = torch.zeros_like(rl) if widest is None else (rl + bs - widest).clamp_min(0)
-            lens = (rl - t0).clamp_min(0)
-            width = int(lens.max())
-            j = torch.arange(width, dtype=torch.int64, device=dev)[None, :]
-            t = t0[:, None] + j
-            valid = j < lens[:, None]
-            r_ord = torch.where(valid, t // P, 0)
-            ctx_pages = torch.where(valid, read_rows.gather(1, r_ord), -1) if width else r_ord
-            ctx_pos = t + shift[:, None] * P
-            ctx_kv = self._gather(gi, ctx_pages, ctx_pos % P)  # [R, width, Lg, 2, H, D]
-            blk_read = self._gather(gi, q_pages, q_off)  # [R, bs, Lg, 2, H, D]
-            if self.checker is not None:
-                for r, i in enumerate(rows):
-                    v = valid[r]
-                    self._report_read(i, gi, ctx_pos[r][v], r_ord[r][v] + shift[r], ctx_pages[r][v], ctx_kv[r][v])
-                    self._report_read(i, gi, q[r], q_ord[r], q_pages[r], blk_read[r])
-            keys = torch.cat([ctx_kv, blk_read], dim=1)  # [R, K, Lg, 2, H, D]
-            # per-layer window masks (the span read is the widest one)
-            key_ok = torch.cat([valid, torch.ones(R, bs, dtype=torch.bool, device=dev)], dim=1)[:, None, :]
-            key_ok = key_ok.expand(R, Lg, width + bs).clone()
-            for li, w in enumerate(wins):
-                if w is not None and w != widest:
-                    lo = (rl + bs - w).clamp_min(0)[:, None]
-                    key_ok[:, li, :width] &= t >= lo
-            # (3) queries: the bonus token's content, the rotary pair at the query positions
-            qv = q_content.expand(R, bs, H, D).clone()
-            qv[..., fd : fd + 2] = self._rotary(q)
-            k = keys[:, :, :, 0].permute(0, 2, 3, 4, 1)  # [R, Lg, H, D, K]
-            v_ = keys[:, :, :, 1].permute(0, 2, 3, 1, 4)  # [R, Lg, H, K, D]
-            scores = qv.permute(0, 2, 1, 3)[:, None] @ k  # [R, Lg, H, bs, K]
-            scores = scores.masked_fill(~key_ok[:, :, None, None, :], float("-inf"))
-            attn = torch.softmax(scores, dim=-1)
-            blk_out = (attn @ v_).mean(dim=2)  # [R, Lg, bs, D]
-            sel = torch.tensor([layer + 1 for layer in group.layers], device=dev)  # draft l+1 <- layer l
-            picked = blk_out[:, torch.arange(Lg, device=dev), sel, :fd]  # [R, Lg, fd]
-            drafts = torch.argmax(picked @ self.E.T, dim=-1)  # [R, Lg]
+            drafts = self._propose_group(gi, preps[group.index], rows, ridx, q_content)
             out[ridx[:, None], torch.tensor(group.layers, device=dev)[None, :]] = drafts
         return out
+
+    def _bonus_tokens(self, bonus_tokens: torch.Tensor | Sequence[int] | None) -> list[int]:
+        """One bonus token per row of the step (``B``): the given ones, or each row's last token."""
+        meta = self.meta
+        B = meta.num_rows
+        if bonus_tokens is None:
+            return [meta.rows[i].request.tokens[-1] for i in range(B)]
+        bonus = [int(t) for t in torch.as_tensor(bonus_tokens).reshape(-1).tolist()]
+        if len(bonus) != B:
+            raise ValueError(f"{len(bonus)} bonus tokens for {B} rows")
+        return bonus
+
+    def _propose_group(
+        self, gi: int, prep, rows: list[int], ridx: torch.Tensor, q_content: torch.Tensor,
+    ) -> torch.Tensor:
+        """Drafts ``[R, Lg]`` of one layer group for the proposing rows (``rows``: step row indices)."""
+        c, group = self.config, self._groups[gi]
+        dev, P, bs = self.device, self.meta.tokens_per_block, c.block_size
+        tables = self.meta.tables[group.index].tables.to(dev)[ridx].long()  # unrebased [R, M]
+        read_rows = prep.read_rows
+        if self.debug_read_rows_hook is not None:
+            read_rows = self.debug_read_rows_hook(group.index, read_rows)
+        read_rows = read_rows.to(dev)[ridx].long()
+        M = tables.shape[1]
+        rl = prep.read_lens.to(dev)[ridx]
+        shift = prep.shift.to(dev)[ridx]
+        q = prep.query_pos.to(dev)[ridx]  # [R, bs] slot positions of the block
+        q_ord = q // P
+        q_in = q_ord < M
+        q_pages = torch.where(q_in, tables.gather(1, torch.where(q_in, q_ord, 0)), -1)
+        q_off = q % P
+        # (1) append the block onto row[q // P]
+        blk_kv = self._block_kv(gi, q).reshape(len(rows), bs, len(group.layers), 2, c.num_kv_heads, c.head_dim)
+        for r, i in enumerate(rows):
+            self._write(i, gi, q[r], q_ord[r], q_pages[r], q_off[r], blk_kv[r])
+        # (2) the context within the widest window of the group, rebased coordinates
+        #     (slot_start.read_window_start, per row)
+        wins = [self.windows[layer] for layer in group.layers]
+        widest = None if any(w is None for w in wins) else max(wins)
+        ctx = self._read_context(gi, read_rows, rl, shift, widest)
+        blk_read = self._gather(gi, q_pages, q_off)  # [R, bs, Lg, 2, H, D]
+        if self.checker is not None:
+            for r, i in enumerate(rows):
+                v = ctx.valid[r]
+                self._report_read(
+                    i, gi, ctx.positions[r][v], ctx.ordinals[r][v] + shift[r], ctx.pages[r][v], ctx.kv[r][v]
+                )
+                self._report_read(i, gi, q[r], q_ord[r], q_pages[r], blk_read[r])
+        keys = torch.cat([ctx.kv, blk_read], dim=1)  # [R, K, Lg, 2, H, D]
+        key_ok = self._key_mask(ctx, rl, wins, widest)
+        return self._attend(gi, q, q_content, keys, key_ok)
+
+    def _read_context(
+        self, gi: int, read_rows: torch.Tensor, rl: torch.Tensor, shift: torch.Tensor, widest: int | None,
+    ) -> _ContextRead:
+        """Gather each row's context within the group's widest window (``None``: all of ``[0, read_len)``).
+
+        ``read_rows`` ``[R, M]`` are the rows rebased past each slot's base, ``rl`` the read lengths and
+        ``shift`` the bases in pages; positions are computed rebased, then shifted back to slot positions.
+        """
+        P, bs = self.meta.tokens_per_block, self.config.block_size
+        t0 = torch.zeros_like(rl) if widest is None else (rl + bs - widest).clamp_min(0)
+        lens = (rl - t0).clamp_min(0)
+        width = int(lens.max())
+        j = torch.arange(width, dtype=torch.int64, device=self.device)[None, :]
+        t = t0[:, None] + j
+        valid = j < lens[:, None]
+        r_ord = torch.where(valid, t // P, 0)
+        ctx_pages = torch.where(valid, read_rows.gather(1, r_ord), -1) if width else r_ord
+        ctx_pos = t + shift[:, None] * P
+        ctx_kv = self._gather(gi, ctx_pages, ctx_pos % P)  # [R, width, Lg, 2, H, D]
+        return _ContextRead(t, valid, r_ord, ctx_pages, ctx_pos, ctx_kv, width)
+
+    def _key_mask(
+        self, ctx: _ContextRead, rl: torch.Tensor, wins: list, widest: int | None,
+    ) -> torch.Tensor:
+        """``[R, Lg, width + bs]`` the keys each layer attends: the context inside its own window, the whole block."""
+        bs = self.config.block_size
+        R, Lg, width = rl.shape[0], len(wins), ctx.width
+        # per-layer window masks (the span read is the widest one)
+        key_ok = torch.cat([ctx.valid, torch.ones(R, bs, dtype=torch.bool, device=self.device)], dim=1)[:, None, :]
+        key_ok = key_ok.expand(R, Lg, width + bs).clone()
+        for li, w in enumerate(wins):
+            if w is not None and w != widest:
+                lo = (rl + bs - w).clamp_min(0)[:, None]
+                key_ok[:, li, :width] &= ctx.rebased >= lo
+        return key_ok
+
+    def _attend(
+        self, gi: int, q: torch.Tensor, q_content: torch.Tensor, keys: torch.Tensor, key_ok: torch.Tensor,
+    ) -> torch.Tensor:
+        """Drafts ``[R, Lg]``: the block's queries at slot positions ``q`` ``[R, bs]`` attend ``keys``."""
+        c, group = self.config, self._groups[gi]
+        H, D, fd, bs = c.num_kv_heads, c.head_dim, c.feature_dim, c.block_size
+        R, Lg, dev = q.shape[0], len(group.layers), self.device
+        # (3) queries: the bonus token's content, the rotary pair at the query positions
+        qv = q_content.expand(R, bs, H, D).clone()
+        qv[..., fd : fd + 2] = self._rotary(q)
+        k = keys[:, :, :, 0].permute(0, 2, 3, 4, 1)  # [R, Lg, H, D, K]
+        v_ = keys[:, :, :, 1].permute(0, 2, 3, 1, 4)  # [R, Lg, H, K, D]
+        scores = qv.permute(0, 2, 1, 3)[:, None] @ k  # [R, Lg, H, bs, K]
+        scores = scores.masked_fill(~key_ok[:, :, None, None, :], float("-inf"))
+        attn = torch.softmax(scores, dim=-1)
+        blk_out = (attn @ v_).mean(dim=2)  # [R, Lg, bs, D]
+        sel = torch.tensor([layer + 1 for layer in group.layers], device=dev)  # draft l+1 <- layer l
+        picked = blk_out[:, torch.arange(Lg, device=dev), sel, :fd]  # [R, Lg, fd]
+        return torch.argmax(picked @ self.E.T, dim=-1)  # [R, Lg]
 
     # ------------------------------------------------------------------ inspection
     @property
