@@ -373,6 +373,7 @@ class DraftExecutor:
         """Each proposing row writes its block at the query positions and reads its context and block."""
         P, bs = self._tokens_per_block, self.meta.block_size
         preps = self.worker.generation_prep()
+        self.check_read_rows(preps)
         for i, row in enumerate(self.meta.rows):
             if not row.proposing:
                 continue
@@ -390,3 +391,17 @@ class DraftExecutor:
                 self._read(row.request_id, gi, q, [p // P for p in q], q_pages)
             if row.request.is_generation_in_progress_state:
                 row.request.py_draft_tokens = [0] * (bs - 1)
+
+    def check_read_rows(self, preps) -> None:
+        """Window-bounded read rows (the default) hold only the row's own pages: every entry that is not -1,
+        in every column and every row of the step (dummies and rows that do not propose included)."""
+        if self.meta.read_bound != "window" or self.ledger.arena:
+            return
+        for i, row in enumerate(self.meta.rows):
+            for gi, (group, _, window) in enumerate(self.groups):
+                if window is None:
+                    continue
+                entries, shift = preps[group].read_rows[i].tolist(), int(preps[group].shift[i])
+                live = [j for j, page in enumerate(entries) if page != -1]
+                self.ledger.check_owned("read-row entry", row.request_id, group, [shift + j for j in live],
+                                        [entries[j] for j in live])

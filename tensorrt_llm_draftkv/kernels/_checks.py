@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .reference import BlockTables, PagedLatentPrep, RebasedTables
+from .reference import BlockTables, PagedLatentPrep, RebasedTables, window_read_width
 
 _MAX_BLOCK = 4096
 _MIN_SPLIT_BLOCK = 512
@@ -151,18 +151,20 @@ def check_prepare(
     max_ctx: int,
     max_new: int,
     out: Optional[PagedLatentPrep],
-) -> tuple[torch.device, dict[str, int]]:
+    read_window: Optional[int] = None,
+) -> tuple[torch.device, dict]:
     """``prepare_paged_latent``'s arguments (``tensors`` in signature order).
 
-    Returns their device and the four sizes as ints (keyword arguments of the
-    reference and the launch).
+    Returns their device and the four sizes as ints plus ``read_window``
+    (keyword arguments of the reference and the launch).
     """
     tables, extents, *vectors = tensors
     check_int("tables", tables, 2)
     B, M = tables.shape
     check_int("extents", extents, 1, (B,))
     kw = _check_step_vectors(
-        B, tuple(vectors), block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new
+        B, tuple(vectors), block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx,
+        max_new=max_new, read_window=read_window,
     )
     dev = same_device(*tensors)
     if out is not None:
@@ -178,8 +180,9 @@ def _check_step_vectors(
     tokens_per_block: int,
     max_ctx: int,
     max_new: int,
-) -> dict[str, int]:
-    """The per-row/per-slot vectors and the four sizes shared by both forms of ``prepare_paged_latent``."""
+    read_window: Optional[int] = None,
+) -> dict:
+    """The per-row/per-slot vectors, the four sizes and ``read_window`` shared by both forms of ``prepare_paged_latent``."""
     slot_ids, slot_ctx_len, slot_base_pages, num_new = vectors
     check_int("slot_ids", slot_ids, 1, (B,))
     check_int("slot_ctx_len", slot_ctx_len, 1)
@@ -191,12 +194,32 @@ def _check_step_vectors(
         raise ValueError(f"tokens_per_block must be >= 1, got {kw['tokens_per_block']}")
     if kw["block_size"] < 0 or kw["max_new"] < 0 or kw["max_ctx"] < 0:
         raise ValueError("block_size, max_new and max_ctx must be >= 0")
+    if read_window is not None:
+        read_window = operator.index(read_window)
+        if read_window < max(kw["block_size"], 1):
+            raise ValueError(
+                f"read_window ({read_window} tokens) must hold the block of {kw['block_size']} queries"
+            )
+    kw["read_window"] = read_window
     return kw
 
 
-def _check_step_out(out: PagedLatentPrep, B: int, M: int, kw: dict[str, int], dev: torch.device) -> None:
+def read_width(kw: dict, M: int) -> int:
+    """Columns of the read rows: ``M`` (upstream's layout) or, with a read window, its bound."""
+    w = kw["read_window"]
+    return M if w is None else window_read_width(w, kw["tokens_per_block"])
+
+
+def _check_step_out(out: PagedLatentPrep, B: int, M: int, kw: dict, dev: torch.device) -> None:
     i32, i64, bs, n = torch.int32, torch.int64, kw["block_size"], kw["max_new"]
-    check_out("read_rows", out.read_rows, (B, M), i32, dev)
+    if kw["read_window"] is None:
+        check_out("read_rows", out.read_rows, (B, M), i32, dev)
+    else:
+        # a window-bounded row may be wider than its bound (a static buffer), never narrower
+        rows = out.read_rows
+        need = read_width(kw, M)
+        width = rows.shape[1] if isinstance(rows, torch.Tensor) and rows.dim() == 2 else need
+        check_out("read_rows", rows, (B, max(width, need)), i32, dev)
     check_out("read_lens", out.read_lens, (B,), i64, dev)
     check_out("query_pos", out.query_pos, (B, bs), i64, dev)
     check_out("store_pages", out.store_pages, (B, n), i32, dev)
@@ -219,7 +242,8 @@ def check_one_pass(
     max_ctx: int,
     max_new: int,
     out: Optional[PagedLatentPrep],
-) -> tuple[torch.device, dict[str, int], int, int, str]:
+    read_window: Optional[int] = None,
+) -> tuple[torch.device, dict, int, int, str]:
     """The one-pass form of ``prepare_paged_latent`` (exported offsets instead of tables).
 
     ``B = len(slot_ids)`` rows are prepared from rows ``0 .. B-1`` of pool
@@ -257,7 +281,8 @@ def check_one_pass(
     if B > B_exp:
         raise ValueError(f"slot_ids asks for {B} rows but block_offsets holds {B_exp} rows per pool")
     kw = _check_step_vectors(
-        B, vectors, block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new
+        B, vectors, block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new,
+        read_window=read_window,
     )
     dev = same_device(block_offsets, *vectors)
     if out is not None:

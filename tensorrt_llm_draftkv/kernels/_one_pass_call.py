@@ -15,7 +15,7 @@ from . import _dispatch
 from . import _launch as _fl
 from . import _one_pass_plans as _plans
 from . import reference
-from ._checks import check_one_pass, next_pow2, one_pass_config, vec
+from ._checks import check_one_pass, next_pow2, one_pass_config, read_width, vec
 from .reference import PagedLatentPrep
 
 
@@ -39,11 +39,13 @@ def prepare_one_pass(
     split: Optional[int],
     fast_launch: bool,
     source_tiles: Optional[bool] = None,
+    read_window: Optional[int] = None,
 ) -> PagedLatentPrep:
     """The one-pass form of :func:`prepare_paged_latent` (checks, dispatch, the launch)."""
     if fast_launch and out is not None and impl != "reference" and _fl.ENABLED:
         plan_key = _plans.plan_key(block_offsets, vectors, out, tables, extents, pool_idx, divisor, backend,
-                                   block_size, tokens_per_block, max_new, block, num_warps, split, source_tiles)
+                                   block_size, tokens_per_block, max_new, block, num_warps, split, source_tiles,
+                                   read_window)
         if plan_key is not None and _plans.launch_planned(plan_key, block_offsets, vectors, out, max_ctx):
             _dispatch.LAUNCH_COUNTS["prepare_paged_latent_one_pass"] += 1
             return out
@@ -52,6 +54,7 @@ def prepare_one_pass(
     dev, kw, pool_idx, divisor, backend = check_one_pass(
         block_offsets, pool_idx, divisor, backend, tables, extents, vectors,
         block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new, out=out,
+        read_window=read_window,
     )
     assert block_offsets is not None
     if not _dispatch.triton_runs(impl, dev):
@@ -61,10 +64,16 @@ def prepare_one_pass(
     B = vectors[0].shape[0]
     M = block_offsets.shape[3]
     if out is None:
-        out = PagedLatentPrep.empty(B, M, kw["block_size"], kw["max_new"], device=dev, with_extents=True)
+        out = PagedLatentPrep.empty(B, read_width(kw, M), kw["block_size"], kw["max_new"], device=dev,
+                                    with_extents=True)
     if B == 0:
         return out
-    config = one_pass_config(B, M, dev, block, num_warps, split, source_tiles)
+    windowed = kw["read_window"] is not None
+    if windowed and source_tiles:
+        raise ValueError("source_tiles reads every ordinal of a row; a window-bounded call reads only its window")
+    # a window-bounded launch is sized by the columns it writes, not by the export's width
+    config = one_pass_config(B, out.read_rows.shape[1] if windowed else M, dev, block, num_warps, split,
+                             False if windowed else source_tiles)
     _launch(dev, block_offsets, vectors, out, kw, config, pool_idx, divisor, backend, fast_launch, plan_key)
     return out
 
@@ -85,9 +94,10 @@ def _launch(
     """One checked launch of the one-pass kernel over `B` rows of `M` block ordinals (sizes in `config`)."""
     blk, nsplit, warps, scan, src_tiles = config
     B, M = vectors[0].shape[0], block_offsets.shape[3]
+    width = out.read_rows.shape[1]  # M, or the window's bound
     s_pool, s_ob, _, s_om = block_offsets.stride()
-    # output rows start 16-byte aligned when M is a multiple of 4 (int32 entries)
-    row_align = 4 if M % 4 == 0 else (2 if M % 2 == 0 else 1)
+    # output rows start 16-byte aligned when the width is a multiple of 4 (int32 entries)
+    row_align = 4 if width % 4 == 0 else (2 if width % 2 == 0 else 1)
     slot_ids, slot_ctx_len, slot_base_pages, num_new = vectors
     _dispatch.launch(
         "prepare_paged_latent_one_pass",
@@ -108,7 +118,7 @@ def _launch(
             out.shift,
             out.extents,
             M,
-            M // row_align,
+            width // row_align,
             pool_idx * s_pool,
             s_ob,
             s_om,
@@ -116,6 +126,7 @@ def _launch(
             kw["max_ctx"],
             kw["block_size"],
             kw["max_new"],
+            kw["read_window"] or 0,
         ),
         fast_launch,
         plan_key,
@@ -132,6 +143,7 @@ def _launch(
         FULL_ROWS=backend == "cpp",
         SRC_TILES=src_tiles,
         COMPILED=dev.type == "cuda",
+        WINDOWED=kw["read_window"] is not None,
         num_warps=warps,
     )
 
@@ -152,11 +164,12 @@ def bound_launch(
     num_warps: Optional[int] = None,
     split: Optional[int] = None,
     source_tiles: Optional[bool] = None,
+    read_window: Optional[int] = None,
 ) -> Optional[tuple]:
     """The resolved launch (``_one_pass_plans.bound_launch``) of a call :func:`prepare_one_pass` already made
     with these arguments on CUDA; ``None`` where that call kept no plan (CPU, reference, no fast launch)."""
     if not (_fl.ENABLED and type(max_ctx) is int):
         return None
     key = _plans.plan_key(block_offsets, vectors, out, None, None, pool_idx, divisor, backend, block_size,
-                          tokens_per_block, max_new, block, num_warps, split, source_tiles)
+                          tokens_per_block, max_new, block, num_warps, split, source_tiles, read_window)
     return None if key is None else _plans.bound_launch(key, block_offsets, vectors, out, max_ctx)

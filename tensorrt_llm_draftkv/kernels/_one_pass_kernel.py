@@ -18,7 +18,7 @@ def one_pass_kernel(
     ctx_ptr,  # [num_slots] slot context length L (absolute positions)
     basep_ptr,  # [num_slots] slot base pages
     new_ptr,  # [B] accepted tokens stored this step
-    rows_ptr,  # out: int32 [B, M] contiguous, rebased read table
+    rows_ptr,  # out: int32 [B, M] contiguous, rebased read table ([B, rows_q * ROW_ALIGN] if WINDOWED)
     lens_ptr,  # out: int64 [B]
     qpos_ptr,  # out: int64 [B, block_size]
     spage_ptr,  # out: int32 [B, max_new]
@@ -27,7 +27,7 @@ def one_pass_kernel(
     shift_ptr,  # out: int64 [B]
     ext_ptr,  # out: int64 [B], extents of the unrebased rows
     M,
-    rows_q,  # M // ROW_ALIGN: output row stride in units of ROW_ALIGN ordinals
+    rows_q,  # output row width (M, or the window's bound) // ROW_ALIGN, in units of ROW_ALIGN ordinals
     pool_off,  # element offset of block_offsets[pool_idx, 0, 0, 0]
     s_ob,  # element stride between rows of one pool
     s_om,  # element stride between ordinals
@@ -35,6 +35,7 @@ def one_pass_kernel(
     max_ctx,
     block_size,
     max_new,
+    window,  # tokens a row may read below its block's end (WINDOWED only)
     P: tl.constexpr,
     BLOCK: tl.constexpr,
     SCAN: tl.constexpr,
@@ -48,6 +49,7 @@ def one_pass_kernel(
     FULL_ROWS: tl.constexpr,
     SRC_TILES: tl.constexpr,
     COMPILED: tl.constexpr,
+    WINDOWED: tl.constexpr = False,
 ):
     """Decode + extent + rebase + step preparation of one pool, one pass over the rows.
 
@@ -79,6 +81,12 @@ def one_pass_kernel(
     entry ``src`` is stored at column ``src - base'`` and the last ``base'``
     columns get -1. It reads ``[0, base')`` as well, and with ``SPLIT == 1``
     that makes the extent exact with no backward scan.
+
+    ``WINDOWED`` (never with ``SRC_TILES``): the row starts at ``max(base,
+    (new_ctx + block_size - window) // P)`` instead of the base, holds only the
+    ordinals below the block's end (-1 past them) and is ``rows_q * ROW_ALIGN``
+    columns wide; the extent is found as with ``SPLIT > 1`` (the copy sees only
+    the window's columns).
     """
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -87,7 +95,7 @@ def one_pass_kernel(
     # row starts in int64 (a strided parent may exceed 2**31 elements); columns stay int32
     k_row = off_ptr + (pool_off + row64 * s_ob)
     if not FULL_ROWS:
-        if SPLIT > 1:
+        if (SPLIT > 1) or WINDOWED:
             # program 0's first scan span, the row's last SCAN ordinals: it needs no slot
             # state, so it is issued first and its round trip overlaps the slot loads
             c0 = M - SCAN + tl.arange(0, SCAN)
@@ -130,9 +138,13 @@ def one_pass_kernel(
     tl.store(soff_ptr + row64 * max_new + i, off.to(tl.int32), mask=in_out)
 
     # The read table: read_rows[b, j] = page(offsets[b, base' + j]), base' = clamp(base, 0, M).
+    if WINDOWED:
+        # the row starts at the window's first page when that is above the slot base
+        base = tl.maximum(base, tl.maximum(new_ctx + block_size - window, 0) // P)
+        live_end = (new_ctx + block_size + P - 1) // P  # one past the block's last ordinal
     base_c = tl.minimum(tl.maximum(base, 0), M).to(tl.int32)
     out_row = rows_ptr + (row64 * rows_q) * ROW_ALIGN
-    m_out = rows_q * ROW_ALIGN  # == M; written so the store masks are known ROW_ALIGN-aligned (vector stores)
+    m_out = rows_q * ROW_ALIGN  # the row width; written so the store masks are known ROW_ALIGN-aligned
     acc = tl.zeros([BLOCK], dtype=tl.int32)  # one past each backed source ordinal seen
     if SRC_TILES:
         lim = m_out - base_c  # read-table columns [lim, M) have no source ordinal: -1
@@ -158,15 +170,18 @@ def one_pass_kernel(
                 if not FULL_ROWS:
                     acc = tl.maximum(acc, tl.where(backed, src + 1, 0))
     else:
-        for start in range(part * BLOCK, M, SPLIT * BLOCK):
+        for start in range(part * BLOCK, m_out, SPLIT * BLOCK):
             cols = start + tl.arange(0, BLOCK)
             src = base_c + cols
+            inside = src < M
+            if WINDOWED:
+                inside = inside & (src < live_end)
             if UNIT_COL:
-                raw = tl.load(k_row + src, mask=src < M, other=-1)
+                raw = tl.load(k_row + src, mask=inside, other=-1)
             elif WIDE_COL:  # (M - 1) * s_om does not fit in int32
-                raw = tl.load(k_row + src.to(tl.int64) * s_om, mask=src < M, other=-1)
+                raw = tl.load(k_row + src.to(tl.int64) * s_om, mask=inside, other=-1)
             else:
-                raw = tl.load(k_row + src * s_om, mask=src < M, other=-1)
+                raw = tl.load(k_row + src * s_om, mask=inside, other=-1)
             backed = raw >= 0
             if DIV_SHIFT >= 0:
                 page = tl.where(backed, raw >> DIV_SHIFT, -1)
@@ -175,14 +190,15 @@ def one_pass_kernel(
             tl.store(out_row + cols, page.to(tl.int32), mask=cols < m_out)
             if SPLIT == 1:
                 if not FULL_ROWS:
-                    acc = tl.maximum(acc, tl.where(backed, src + 1, 0))
+                    if not WINDOWED:
+                        acc = tl.maximum(acc, tl.where(backed, src + 1, 0))
 
     if part == 0:
         if FULL_ROWS:
             # cpp export: unbacked entries look like real pages, every row counts full
             ext = M + row * 0
         else:
-            if SPLIT == 1:
+            if (SPLIT == 1) and (not WINDOWED):
                 if COMPILED:
                     ext = tl.reduce(acc, 0, max_combine)
                 else:

@@ -37,6 +37,7 @@ def plan_key(
     num_warps: Any,
     split: Any,
     source_tiles: Any,
+    read_window: Any = None,
 ) -> Optional[tuple]:
     """Everything the checks and the launch sizing of a one-pass call depend on, except ``max_ctx``.
 
@@ -67,7 +68,7 @@ def plan_key(
             id(o.store_offsets), id(o.new_ctx_len), id(o.shift), id(o.extents),
             type(pool_idx), pool_idx, type(divisor), divisor, backend,
             type(block_size), block_size, type(tokens_per_block), tokens_per_block, type(max_new), max_new,
-            block, num_warps, split, source_tiles,
+            block, num_warps, split, source_tiles, type(read_window), read_window,
         )
     except (AttributeError, TypeError):  # not tensors: the checked path says what is wrong
         return None
@@ -90,13 +91,13 @@ def _launch_args(plan: tuple, block_offsets: torch.Tensor, vectors: tuple[torch.
     ck, _, _, ints, consts, _ = plan
     sid, ctx, base, n = vectors
     o = out
-    # ints: M, rows_q, pool_off, s_ob, s_om, divisor, max_ctx (replaced), block_size, max_new
+    # ints: M, rows_q, pool_off, s_ob, s_om, divisor, max_ctx (replaced), block_size, max_new, window
     return (
         ck.function, ck.packed_metadata, None, None, None,
         block_offsets.data_ptr(), sid.data_ptr(), ctx.data_ptr(), base.data_ptr(), n.data_ptr(),
         o.read_rows.data_ptr(), o.read_lens.data_ptr(), o.query_pos.data_ptr(), o.store_pages.data_ptr(),
         o.store_offsets.data_ptr(), o.new_ctx_len.data_ptr(), o.shift.data_ptr(), o.extents.data_ptr(),
-        ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], max_ctx, ints[7], ints[8], *consts,
+        ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], max_ctx, ints[7], ints[8], ints[9], *consts,
     )
 
 

@@ -27,10 +27,13 @@ def prepare_kernel(
     s_tb,
     s_tm,
     s_rb,
+    window,  # tokens the row may read below the block's end (WINDOWED only)
+    out_w,  # columns of read_rows (M unless WINDOWED)
     P: tl.constexpr,
     BLOCK: tl.constexpr,
     QBLOCK: tl.constexpr,
     NBLOCK: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -38,20 +41,26 @@ def prepare_kernel(
     base = tl.load(basep_ptr + slot).to(tl.int64)
     ext = tl.load(ext_ptr + row).to(tl.int64)
     ext = tl.minimum(tl.maximum(ext, 0), row * 0 + M)
+    L = tl.load(ctx_ptr + slot).to(tl.int64)
+    n = tl.load(new_ptr + row).to(tl.int64)
+    mc = max_ctx.to(tl.int64)
+    new_ctx = tl.minimum(L + n, mc)
+    if WINDOWED:
+        # the row starts at the window's first page when that is above the base
+        base = tl.maximum(base, tl.maximum(new_ctx + block_size - window, 0) // P)
     shift = tl.maximum(tl.minimum(base, ext), 0)
     tab_row = tab_ptr + row * s_tb
 
     # Rebased read table: read_rows[b, j] = tables[b, shift + j] inside the extent.
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     src = shift + cols
-    v = tl.load(tab_row + src * s_tm, mask=src < ext, other=-1)
-    tl.store(rows_ptr + row * s_rb + cols, v.to(tl.int32), mask=cols < M)
+    inside = src < ext
+    if WINDOWED:
+        inside = inside & (src * P < new_ctx + block_size)  # nothing past the block's last page
+    v = tl.load(tab_row + src * s_tm, mask=inside, other=-1)
+    tl.store(rows_ptr + row * s_rb + cols, v.to(tl.int32), mask=cols < out_w)
 
     if chunk == 0:
-        L = tl.load(ctx_ptr + slot).to(tl.int64)
-        n = tl.load(new_ptr + row).to(tl.int64)
-        mc = max_ctx.to(tl.int64)
-        new_ctx = tl.minimum(L + n, mc)
         lens = new_ctx - base * P
         lens = tl.minimum(tl.maximum(lens, 0), (ext - shift) * P)
         tl.store(nctx_ptr + row, new_ctx)

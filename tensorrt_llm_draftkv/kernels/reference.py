@@ -161,6 +161,32 @@ def rebase_block_table_reference(
     return RebasedTables(rows, new_ext, shift)
 
 
+def window_read_width(read_window: int, tokens_per_block: int) -> int:
+    """Columns of a window-bounded read row: ``ceil(W / P) + 1`` ordinals (pages).
+
+    The context a block decode reads plus the block itself span at most the
+    last ``W`` slot positions up to the block's end; those touch at most
+    ``ceil(W / P) + 1`` pages, whatever the prompt length.
+    """
+    if read_window < 1 or tokens_per_block < 1:
+        raise ValueError(
+            f"read_window ({read_window} tokens) and tokens_per_block ({tokens_per_block}) must be >= 1"
+        )
+    return -(-read_window // tokens_per_block) + 1
+
+
+def window_read_base(
+    base: torch.Tensor, new_ctx: torch.Tensor, *, block_size: int, tokens_per_block: int, read_window: int
+) -> torch.Tensor:
+    """First ordinal a window-bounded row reads: the slot base or the window's first page, the higher.
+
+    ``base`` (pages) and ``new_ctx`` (slot positions, tokens) per row; the
+    window's first slot position is ``new_ctx + block_size - read_window``.
+    """
+    first = (new_ctx + block_size - read_window).clamp_min(0) // tokens_per_block
+    return torch.maximum(base, first)
+
+
 def prepare_paged_latent_reference(
     tables: torch.Tensor,
     extents: torch.Tensor,
@@ -173,9 +199,18 @@ def prepare_paged_latent_reference(
     tokens_per_block: int,
     max_ctx: int,
     max_new: int,
+    read_window: Optional[int] = None,
+    read_width: Optional[int] = None,
     out: Optional[PagedLatentPrep] = None,
 ) -> PagedLatentPrep:
-    """Torch reference of :func:`~tensorrt_llm_draftkv.kernels.prepare_paged_latent`."""
+    """Torch reference of :func:`~tensorrt_llm_draftkv.kernels.prepare_paged_latent`.
+
+    ``read_window=None``: upstream's layout, rows ``[B, M]`` from the slot base.
+    ``read_window=W``: rows from :func:`window_read_base`, live only over the
+    context and block (``(shift + j) * P < new_ctx_len + block_size``), -1
+    elsewhere, ``read_width`` columns (default: ``out.read_rows``' width, else
+    :func:`window_read_width`).
+    """
     B, M = tables.shape
     dev = tables.device
     P = tokens_per_block
@@ -184,8 +219,14 @@ def prepare_paged_latent_reference(
     base = slot_base_pages.to(torch.int64)[sid]
     n = num_new.to(torch.int64)
 
-    rows, rebased_ext, shift = _rebase(tables, extents, base)
     new_ctx = torch.clamp(L + n, max=max_ctx)
+    if read_window is not None:
+        base = window_read_base(base, new_ctx, block_size=block_size, tokens_per_block=P, read_window=read_window)
+    rows, rebased_ext, shift = _rebase(tables, extents, base)
+    if read_window is not None:
+        if read_width is None:
+            read_width = out.read_rows.shape[1] if out is not None else window_read_width(read_window, P)
+        rows = _bound_rows(rows, shift, new_ctx + block_size, P, read_width)
     read_lens = torch.minimum((new_ctx - base * P).clamp_min(0), rebased_ext * P)
     query_pos = new_ctx[:, None] + torch.arange(block_size, dtype=torch.int64, device=dev)
 
@@ -215,6 +256,17 @@ def prepare_paged_latent_reference(
     return res
 
 
+def _bound_rows(rows: torch.Tensor, shift: torch.Tensor, end: torch.Tensor, P: int, width: int) -> torch.Tensor:
+    """Rebased rows cut to ``width`` columns, -1 at every column whose page starts at or past ``end`` (tokens)."""
+    B, M = rows.shape
+    if width > M:
+        rows = torch.cat([rows, torch.full((B, width - M), BAD_PAGE, dtype=rows.dtype, device=rows.device)], 1)
+    rows = rows[:, :width]
+    col = torch.arange(width, dtype=torch.int64, device=rows.device)[None, :]
+    live = (shift[:, None] + col) * P < end[:, None]
+    return torch.where(live, rows, BAD_PAGE).to(torch.int32)
+
+
 def prepare_paged_latent_one_pass_reference(
     block_offsets: torch.Tensor,
     pool_idx: int,
@@ -229,6 +281,7 @@ def prepare_paged_latent_one_pass_reference(
     tokens_per_block: int,
     max_ctx: int,
     max_new: int,
+    read_window: Optional[int] = None,
     out: Optional[PagedLatentPrep] = None,
 ) -> PagedLatentPrep:
     """Torch reference of the one-pass form of :func:`~tensorrt_llm_draftkv.kernels.prepare_paged_latent`.
@@ -242,8 +295,9 @@ def prepare_paged_latent_one_pass_reference(
     res = prepare_paged_latent_reference(
         bt.tables, bt.extents, slot_ids, slot_ctx_len, slot_base_pages, num_new,
         block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new,
+        read_window=read_window, read_width=None if out is None else out.read_rows.shape[1],
     )
-    res.extents = bt.extents
+    res = PagedLatentPrep(**{**res.tensors(), "extents": bt.extents})
     if out is not None:
         return out.copy_(res)
     return res

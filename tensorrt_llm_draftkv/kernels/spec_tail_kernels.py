@@ -50,6 +50,7 @@ import torch
 
 from . import _dispatch
 from ._checks import (
+    read_width,
     check_decode,
     check_prepare,
     check_rebase,
@@ -224,6 +225,7 @@ def prepare_paged_latent(
     split: Optional[int] = None,
     fast_launch: bool = True,
     source_tiles: Optional[bool] = None,
+    read_window: Optional[int] = None,
 ) -> PagedLatentPrep:
     """One DFlash generation step's preparation, in ONE kernel launch.
 
@@ -266,6 +268,18 @@ def prepare_paged_latent(
         fast_launch: on CUDA, launch through the bound compiled kernel (see
             ``_launch.py``) rather than Triton's per-call binding; same kernel,
             same results.
+        read_window: ``None`` (upstream's layout, below) or the drafter's
+            window ``W`` in tokens (``>= block_size``): the window-bounded form,
+            both forms alike. Each row then starts at ``base' = max(base,
+            (new_ctx_len + block_size - W) // P)`` in place of ``base`` in every
+            formula below, its entries past the block's last page are -1
+            (``read_rows[b, j] = -1`` where ``(shift + j) * P >= new_ctx_len +
+            block_size``), and the rows are ``ceil(W / P) + 1`` columns wide
+            (``reference.window_read_width``; a wider ``out.read_rows`` gets -1
+            past that). Reading ``[0, read_lens + block_size)`` tokens of a row
+            then touches only the pages of the drafter's window and block,
+            whatever the prompt length, and the launch writes ``B x (W/P + 1)``
+            entries, not ``B x M``. Not with ``source_tiles=True``.
 
     Per row ``b`` with ``s = slot_ids[b]``, ``L = slot_ctx_len[s]``,
     ``base = slot_base_pages[s]``, ``n = num_new[b]``:
@@ -289,7 +303,7 @@ def prepare_paged_latent(
             block_offsets, pool_idx, divisor, backend, tables, extents, vectors,
             block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new,
             out=out, impl=impl, block=block, num_warps=num_warps, split=split, fast_launch=fast_launch,
-            source_tiles=source_tiles,
+            source_tiles=source_tiles, read_window=read_window,
         )
     if pool_idx != 0 or divisor is not None or backend is not None or split is not None or source_tiles is not None:
         raise ValueError(
@@ -297,13 +311,14 @@ def prepare_paged_latent(
         )
     tensors = (tables, extents, *vectors)
     dev, kw = check_prepare(
-        tensors, block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new, out=out
+        tensors, block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new, out=out,
+        read_window=read_window,
     )
     if not _dispatch.triton_runs(impl, dev):
         return prepare_paged_latent_reference(*tensors, out=out, **kw)
     B, M = tables.shape
     if out is None:
-        out = PagedLatentPrep.empty(B, M, kw["block_size"], kw["max_new"], device=dev)
+        out = PagedLatentPrep.empty(B, read_width(kw, M), kw["block_size"], kw["max_new"], device=dev)
     if B == 0:
         return out
     _launch_prepare(tensors, out, block, num_warps, fast_launch, **kw)
@@ -321,13 +336,15 @@ def _launch_prepare(
     tokens_per_block: int,
     max_ctx: int,
     max_new: int,
+    read_window: Optional[int],
 ) -> None:
     """The one ``prepare_paged_latent`` launch (checked arguments, ``B > 0``)."""
     tables, *vectors = tensors
     B, M = tables.shape
     dev = tables.device
-    blk = pick_block(B, M, block, dev.type != "cuda")
-    grid = (B, max(1, -(-M // blk)))
+    out_w = out.read_rows.shape[1]
+    blk = pick_block(B, out_w, block, dev.type != "cuda")
+    grid = (B, max(1, -(-out_w // blk)))
     _dispatch.launch(
         "prepare_paged_latent",
         dev,
@@ -349,12 +366,15 @@ def _launch_prepare(
             tables.stride(0),
             tables.stride(1),
             out.read_rows.stride(0),
+            read_window or 0,
+            out_w,
         ),
         fast,
         P=tokens_per_block,
         BLOCK=blk,
         QBLOCK=next_pow2(max(block_size, 1)),
         NBLOCK=next_pow2(max(max_new, 1)),
+        WINDOWED=read_window is not None,
         num_warps=warps or warps_for(blk),
     )
 

@@ -187,6 +187,27 @@ def advance_slot_for_context(
 
 
 # --------------------------------------------------------------------------- generation step
+READ_BOUNDS = ("window", "base")
+
+
+def read_windows(draft_manager: Optional[DraftPool], read_bound: str) -> list[Optional[int]]:
+    """Per pool, the window (tokens) that bounds a generation step's read rows, or ``None``.
+
+    ``read_bound="window"`` (default): a windowed pool's rows start at the
+    window's first page and stop at the block's last one, so a consumer that
+    reads what the rows say reads only pages the request holds. ``"base"``:
+    upstream's layout, rows from the slot base as wide as the export (the
+    consumer applies the window). A private arena and full-attention pools
+    are never bounded.
+    """
+    if read_bound not in READ_BOUNDS:
+        raise ValueError(f"read_bound must be one of {READ_BOUNDS}, got {read_bound!r}")
+    if draft_manager is None:
+        return [None]
+    groups = draft_manager.config.layer_groups
+    return [g.window if read_bound == "window" else None for g in groups]
+
+
 def generation_counts(num_new: Sequence[int] | Mapping[int, int] | None, request_ids: list[int]) -> list[int]:
     """Accepted tokens per row (row order) from a sequence, a mapping request id -> count, or None."""
     if num_new is None:
@@ -237,12 +258,15 @@ def prepare_generation(
     max_new: int,
     fused: bool,
     check_room: RoomCheck,
+    read_windows: Optional[Sequence[Optional[int]]] = None,
 ) -> list[PagedLatentPrep]:
     """One :class:`PagedLatentPrep` per pool; advances every row's slot to ``min(L + n, limit)``.
 
     Bases are raised before the launch, so the read is clamped with the new
     length. One ``prepare_paged_latent`` per pool: the kernel when ``fused``,
-    else its torch reference (``impl="reference"``).
+    else its torch reference (``impl="reference"``). ``read_windows[g]``
+    (tokens, ``None`` = unbounded) bounds pool ``g``'s read rows to the
+    drafter's window (:func:`read_windows`).
     """
     new_host = _new_lengths(slots, rows, counts, max_new, check_room)
     consumed = {row.slot: n for row, n in zip(rows, counts)}
@@ -250,11 +274,12 @@ def prepare_generation(
         slots.raise_base(slot, new)
     n_t = torch.tensor(counts, dtype=torch.int64, device=slots.device)
     kw = dict(block_size=block_size, tokens_per_block=slots.tokens_per_block, max_new=max_new)
+    windows = list(read_windows) if read_windows is not None else [None] * len(tables)
     preps = []
-    for bt in tables:
+    for bt, window in zip(tables, windows):
         preps.append(prepare_paged_latent(
             bt.tables, bt.extents, slot_ids, slots.ctx_len, slots.base_pages, n_t,
-            max_ctx=slots.store_limit(), impl=None if fused else "reference", **kw,
+            max_ctx=slots.store_limit(), impl=None if fused else "reference", read_window=window, **kw,
         ))
     if rows:
         slots.ctx_len.index_copy_(0, slot_ids, preps[0].new_ctx_len)
@@ -272,5 +297,6 @@ __all__ = [
     "generation_counts",
     "advance_slot_for_context",
     "prepare_generation",
+    "read_windows",
     "required_extra_kv_tokens",
 ]

@@ -82,8 +82,10 @@ class DFlashDraftSlots:
         max_new_tokens: int | None = None,
         num_dummy_slots: int | None = None,
         draft_manager: Optional[DraftPool] = None,
+        read_bound: str = "window",
     ) -> None:
         _check_args(max_batch_size, block_size, tokens_per_block, max_ctx_len, backend)
+        addressing.read_windows(None, read_bound)  # refuses an unknown bound before anything is built
         num_dummy_slots = max_batch_size if num_dummy_slots is None else num_dummy_slots
         if num_dummy_slots < 0:
             raise ValueError(f"num_dummy_slots must be >= 0, got {num_dummy_slots}")
@@ -107,6 +109,8 @@ class DFlashDraftSlots:
         self.fused = fused
         self.backend = backend
         self.page_aligned_seed = page_aligned_seed
+        #: "window": generation read rows bounded by each pool's window; "base": upstream's layout
+        self.read_bound = read_bound
         # this step
         self.rows: list[Row] = []
         self.draft_manager: Optional[DraftPool] = None
@@ -288,12 +292,21 @@ class DFlashDraftSlots:
         store nothing here. Advances each slot's ``ctx_len`` to ``min(L + n,
         max_ctx_len)``. The fused path is one ``prepare_paged_latent`` launch per
         pool; without it, its torch reference (`impl="reference"`).
+
+        Read rows (``read_bound="window"``, the default): on a windowed pool each
+        row starts at the window's first page (``shift``, ordinals of the
+        unrebased row) or the slot base if higher, holds the pages up to the
+        block's last one and -1 after, ``ceil(W / P) + 1`` columns wide; reading
+        ``[0, read_lens + block_size)`` tokens of it touches only the request's
+        pages. ``read_bound="base"`` keeps upstream's rows (from the base, as wide
+        as the export).
         """
         counts = addressing.generation_counts(num_new, self.request_ids)
         self._check_rows_current()
         self._prep = addressing.prepare_generation(
             self.slots, self.rows, self.tables, self.slot_ids, counts, block_size=self.block_size,
             max_new=self.max_new_tokens, fused=self.fused, check_room=self._check_room,
+            read_windows=addressing.read_windows(self.draft_manager, self.read_bound),
         )
         return self._prep
 

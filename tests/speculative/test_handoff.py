@@ -198,7 +198,11 @@ def test_a_seeded_slot_starts_at_the_prompt_end_with_its_base_on_the_first_recei
     assert loop.meta.seeds[5] == start and loop.meta.slots.last_context_seeded == (5,)
     assert loop.meta.slots.pending_context_seed(5) is None  # used once
     prep = loop.meta.generation_prep()[0]
-    assert prep.shift.tolist() == [lo // 16] and prep.read_lens.tolist() == [m - (lo // 16) * 16]
+    # the read rows start at the seeded base or the window's first page, whichever is higher
+    first = max(lo // 16, (m + loop.meta.block_size - 64) // 16)
+    assert prep.shift.tolist() == [first] and prep.read_lens.tolist() == [m - first * 16]
+    held = set(loop.dm.get_batch_cache_indices([5])[0]) - {-1}
+    assert set(prep.read_rows[0].tolist()) - {-1} <= held
     # a slot lost afterwards is reseeded empty: the received context seeds only the first slot
     loop.meta.evict(5)
     loop.meta.prepare_step(batch, loop.dm)
