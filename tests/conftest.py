@@ -30,9 +30,14 @@ except ImportError:  # hypothesis is a test extra; plain tests still run without
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         return
-    skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    if torch.cuda.is_available():
+        # Triton's interpreter mode is process-wide: with it on, kernels cannot compile for the GPU
+        reason = "compiled kernels need TRITON_INTERPRET=0: run `TRITON_INTERPRET=0 python -m pytest -m cuda`"
+    else:
+        reason = "needs a CUDA device"
+    skip_cuda = pytest.mark.skip(reason=reason)
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip_cuda)

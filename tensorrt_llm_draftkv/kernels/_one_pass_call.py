@@ -127,6 +127,7 @@ def _launch(
             kw["block_size"],
             kw["max_new"],
             kw["read_window"] or 0,
+            width,
         ),
         fast_launch,
         plan_key,
@@ -144,6 +145,8 @@ def _launch(
         SRC_TILES=src_tiles,
         COMPILED=dev.type == "cuda",
         WINDOWED=kw["read_window"] is not None,
+        # host-side, so the kernel branches on one constexpr (no boolean operators on constexprs)
+        SCAN_TAIL=nsplit > 1 or kw["read_window"] is not None,
         num_warps=warps,
     )
 

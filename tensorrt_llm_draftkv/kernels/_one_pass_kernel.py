@@ -36,6 +36,7 @@ def one_pass_kernel(
     block_size,
     max_new,
     window,  # tokens a row may read below its block's end (WINDOWED only)
+    out_w,  # columns of each read row: M, or the window's bound (== rows_q * ROW_ALIGN)
     P: tl.constexpr,
     BLOCK: tl.constexpr,
     SCAN: tl.constexpr,
@@ -50,6 +51,7 @@ def one_pass_kernel(
     SRC_TILES: tl.constexpr,
     COMPILED: tl.constexpr,
     WINDOWED: tl.constexpr = False,
+    SCAN_TAIL: tl.constexpr = False,
 ):
     """Decode + extent + rebase + step preparation of one pool, one pass over the rows.
 
@@ -86,7 +88,9 @@ def one_pass_kernel(
     (new_ctx + block_size - window) // P)`` instead of the base, holds only the
     ordinals below the block's end (-1 past them) and is ``rows_q * ROW_ALIGN``
     columns wide; the extent is found as with ``SPLIT > 1`` (the copy sees only
-    the window's columns).
+    the window's columns). ``SCAN_TAIL`` (host-computed: ``SPLIT > 1 or
+    WINDOWED``) selects that backward-scan extent over the one accumulated
+    during the copy.
     """
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -95,7 +99,7 @@ def one_pass_kernel(
     # row starts in int64 (a strided parent may exceed 2**31 elements); columns stay int32
     k_row = off_ptr + (pool_off + row64 * s_ob)
     if not FULL_ROWS:
-        if (SPLIT > 1) or WINDOWED:
+        if SCAN_TAIL:
             # program 0's first scan span, the row's last SCAN ordinals: it needs no slot
             # state, so it is issued first and its round trip overlaps the slot loads
             c0 = M - SCAN + tl.arange(0, SCAN)
@@ -170,7 +174,7 @@ def one_pass_kernel(
                 if not FULL_ROWS:
                     acc = tl.maximum(acc, tl.where(backed, src + 1, 0))
     else:
-        for start in range(part * BLOCK, m_out, SPLIT * BLOCK):
+        for start in range(part * BLOCK, out_w, SPLIT * BLOCK):
             cols = start + tl.arange(0, BLOCK)
             src = base_c + cols
             inside = src < M
@@ -188,17 +192,16 @@ def one_pass_kernel(
             else:
                 page = tl.where(backed, raw // divisor, -1)
             tl.store(out_row + cols, page.to(tl.int32), mask=cols < m_out)
-            if SPLIT == 1:
+            if not SCAN_TAIL:
                 if not FULL_ROWS:
-                    if not WINDOWED:
-                        acc = tl.maximum(acc, tl.where(backed, src + 1, 0))
+                    acc = tl.maximum(acc, tl.where(backed, src + 1, 0))
 
     if part == 0:
         if FULL_ROWS:
             # cpp export: unbacked entries look like real pages, every row counts full
             ext = M + row * 0
         else:
-            if (SPLIT == 1) and (not WINDOWED):
+            if not SCAN_TAIL:
                 if COMPILED:
                     ext = tl.reduce(acc, 0, max_combine)
                 else:

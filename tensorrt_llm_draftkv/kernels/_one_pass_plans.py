@@ -91,13 +91,13 @@ def _launch_args(plan: tuple, block_offsets: torch.Tensor, vectors: tuple[torch.
     ck, _, _, ints, consts, _ = plan
     sid, ctx, base, n = vectors
     o = out
-    # ints: M, rows_q, pool_off, s_ob, s_om, divisor, max_ctx (replaced), block_size, max_new, window
+    # ints: M, rows_q, pool_off, s_ob, s_om, divisor, max_ctx (replaced), block_size, max_new, window, out_w
     return (
         ck.function, ck.packed_metadata, None, None, None,
         block_offsets.data_ptr(), sid.data_ptr(), ctx.data_ptr(), base.data_ptr(), n.data_ptr(),
         o.read_rows.data_ptr(), o.read_lens.data_ptr(), o.query_pos.data_ptr(), o.store_pages.data_ptr(),
         o.store_offsets.data_ptr(), o.new_ctx_len.data_ptr(), o.shift.data_ptr(), o.extents.data_ptr(),
-        ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], max_ctx, ints[7], ints[8], ints[9], *consts,
+        ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], max_ctx, ints[7], ints[8], ints[9], ints[10], *consts,
     )
 
 

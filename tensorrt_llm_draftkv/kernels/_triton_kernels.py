@@ -50,7 +50,7 @@ _NO_SPECIALIZE = {
     # every integer stays a runtime value: the fast launcher's cache key then only
     # needs each integer's width (alignment hints are explicit constexprs)
     "prepare_paged_latent_one_pass": [
-        "M", "rows_q", "pool_off", "s_ob", "s_om", "divisor", "max_ctx", "block_size", "max_new",
+        "M", "rows_q", "pool_off", "s_ob", "s_om", "divisor", "max_ctx", "block_size", "max_new", "window", "out_w",
     ],
 }
 

@@ -45,3 +45,17 @@ def test_benchmark_paths_catch_a_wrong_result():
 def _off_by_one(prep):
     prep.read_lens = prep.read_lens + 1
     return prep
+
+
+def test_window_step_benchmark_checks_its_step_on_cpu():
+    """``benchmarks/window_step.py``: its step builder is backed over the window only, and the window-bounded
+    call it times agrees with the reference (the check it runs before timing)."""
+    import torch
+
+    from benchmarks import window_step as ws
+
+    step = ws.make_step(8, 32_768, torch.device("cpu"))
+    k = step["offsets"][1, :, 0]
+    assert ((k > 0).sum(dim=1) <= ws.window_read_width(ws.W, ws.P) + 1).all()  # the window, not the prompt
+    ws.check(step)
+    assert ws.step_bytes(256, ws.window_read_width(ws.W, ws.P)) < ws.step_bytes(256, step["M"]) / 5
