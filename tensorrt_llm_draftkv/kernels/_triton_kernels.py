@@ -24,6 +24,8 @@ few per long row, looping over tiles):
 """
 from __future__ import annotations
 
+import os
+
 import triton  # noqa: F401  (absent triton: the ImportError `_dispatch` turns into HAVE_TRITON False)
 from triton.runtime.jit import JITFunction
 
@@ -71,6 +73,16 @@ _compiled: dict = {}
 _interpreted: dict = {}
 
 
+def _refuse_interpreter_mode(name: str) -> None:
+    """Triton's interpreter mode is process-wide and its code generator cannot compile under it: say so
+    plainly, before Triton fails deep in compilation (checked once per kernel, when it is first wrapped)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError(
+            f"{name}: CUDA tensors need the compiled kernel, but TRITON_INTERPRET=1 is set, and under it "
+            "Triton compiles nothing for the GPU; unset it (or set TRITON_INTERPRET=0) before triton is imported"
+        )
+
+
 def get_kernel(name: str, interpreted: bool):
     """Return the compiled (CUDA) or interpreted (CPU) wrapper of kernel ``name``."""
     cache = _interpreted if interpreted else _compiled
@@ -82,6 +94,7 @@ def get_kernel(name: str, interpreted: bool):
 
             kern = InterpretedFunction(body)
         else:
+            _refuse_interpreter_mode(name)
             kern = JITFunction(
                 body,
                 do_not_specialize=_NO_SPECIALIZE[name],

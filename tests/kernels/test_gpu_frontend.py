@@ -30,3 +30,15 @@ def test_every_kernel_builds_for_the_gpu():
     assert built == {"decode_draft_block_table", "rebase_block_table", "prepare_paged_latent",
                      "prepare_paged_latent_one_pass"}
     assert lines[-1] == "failures: 0"
+
+
+def test_a_compiled_kernel_under_interpreter_mode_is_refused_plainly(monkeypatch):
+    from tensorrt_llm_draftkv.kernels import _triton_kernels
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(_triton_kernels, "_compiled", {})
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        _triton_kernels.get_kernel("prepare_paged_latent_one_pass", interpreted=False)
+    assert _triton_kernels._compiled == {}  # nothing cached: a later call in a fixed process compiles
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert _triton_kernels.get_kernel("prepare_paged_latent_one_pass", interpreted=False) is not None
