@@ -41,12 +41,13 @@ def prepare_kernel(
     base = tl.load(basep_ptr + slot).to(tl.int64)
     ext = tl.load(ext_ptr + row).to(tl.int64)
     ext = tl.minimum(tl.maximum(ext, 0), row * 0 + M)
-    L = tl.load(ctx_ptr + slot).to(tl.int64)
-    n = tl.load(new_ptr + row).to(tl.int64)
     mc = max_ctx.to(tl.int64)
-    new_ctx = tl.minimum(L + n, mc)
     if WINDOWED:
-        # the row starts at the window's first page when that is above the base
+        # every program needs the new length: the row starts at the window's first page when that is
+        # above the base (upstream's layout loads L and n in the scalar program only)
+        L = tl.load(ctx_ptr + slot).to(tl.int64)
+        n = tl.load(new_ptr + row).to(tl.int64)
+        new_ctx = tl.minimum(L + n, mc)
         base = tl.maximum(base, tl.maximum(new_ctx + block_size - window, 0) // P)
     shift = tl.maximum(tl.minimum(base, ext), 0)
     tab_row = tab_ptr + row * s_tb
@@ -61,6 +62,10 @@ def prepare_kernel(
     tl.store(rows_ptr + row * s_rb + cols, v.to(tl.int32), mask=cols < out_w)
 
     if chunk == 0:
+        if not WINDOWED:
+            L = tl.load(ctx_ptr + slot).to(tl.int64)
+            n = tl.load(new_ptr + row).to(tl.int64)
+            new_ctx = tl.minimum(L + n, mc)
         lens = new_ctx - base * P
         lens = tl.minimum(tl.maximum(lens, 0), (ext - shift) * P)
         tl.store(nctx_ptr + row, new_ctx)
