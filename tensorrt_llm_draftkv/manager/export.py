@@ -221,6 +221,34 @@ def write_block_offsets(
         dst_tensor[:, :num_seqs, :, :width].copy_(torch.from_numpy(offsets))
 
 
+def write_block_offset_entries(
+    layout: OffsetLayout, dst_tensor: torch.Tensor, caches: list[KVCache], entries: list[tuple[int, int, np.ndarray]]
+) -> int:
+    """Write single entries of upstream's layout into `dst_tensor` (`"cpp"` offsets, as
+    `write_block_offsets`): `entries` lists `(row, pool, ordinals)`, row `b` holding `caches[b]`.
+    One staging copy and one scatter per K/V half; returns the entries written (K and V counted)."""
+    entries = [(b, p, o) for b, p, o in entries if o.size]
+    if not entries:
+        return 0
+    kv = layout.kv_factor
+    v_slot = 1 if kv > 1 else 0
+    rows, pools, ords, values = [], [], [], []
+    for b, p, ordinals in entries:
+        pages = np.asarray(caches[b].block_entries(p, ordinals.tolist()), dtype=np.int64)
+        fill = _fill(layout, p, backend="cpp")
+        values.append(np.where(pages >= 0, pages * kv, BAD_PAGE_INDEX if fill is None else fill))
+        rows.append(np.full(ordinals.size, b, dtype=np.int64))
+        pools.append(np.full(ordinals.size, p, dtype=np.int64))
+        ords.append(ordinals.astype(np.int64))
+    staged = torch.from_numpy(np.stack([np.concatenate(a) for a in (pools, rows, ords, values)]))
+    staged = staged.to(dst_tensor.device)
+    p_idx, b_idx, o_idx, k_vals = staged[0], staged[1], staged[2], staged[3]
+    zero = torch.zeros_like(p_idx)
+    dst_tensor.index_put_((p_idx, b_idx, zero, o_idx), k_vals.to(torch.int32))
+    dst_tensor.index_put_((p_idx, b_idx, zero + 1, o_idx), (k_vals + v_slot).to(torch.int32))
+    return 2 * int(p_idx.numel())
+
+
 def check_copy_args(
     layout: OffsetLayout,
     dst_tensor: torch.Tensor,
@@ -274,4 +302,7 @@ def check_copy_args(
     return width, width_label
 
 
-__all__ = ["OffsetLayout", "block_offset_array", "block_tables", "check_copy_args", "get_block_offsets", "live_width", "write_block_offsets"]
+__all__ = [
+    "OffsetLayout", "block_offset_array", "block_tables", "check_copy_args", "get_block_offsets", "live_width",
+    "write_block_offset_entries", "write_block_offsets",
+]

@@ -17,8 +17,10 @@ from ..request import (LlmRequest, ScheduledRequests, generated_tokens, reused_p
                        skip_reused_prefix, target_view)
 from ..runtime import KVCache, LayerGroup, LifeCycle, PagePool
 from . import accessors, dummies, export, rules, upstream_geometry, upstream_init
+from .block_table import DeviceBlockTable
 from .buffers import LayerSlot, check_layer, layer_buffer, sequential_layer_slots
 from .diagnostics import KVCacheResizeError, MissingKVCacheError, context_step, resize_error
+from .offset_destinations import OffsetDestinations
 from .prefix_reuse import PrefixReuse
 from .request_caches import RequestCaches
 
@@ -200,6 +202,10 @@ class KVCacheManagerV2:
             label=self.error_label, kv_factor=config.kv_factor, max_blocks_per_seq=config.max_blocks_per_seq,
             device=str(config.device), guard_pages=tuple(g.pool.guard_page_index for g in self.layer_groups),
         )
+        #: The rows on the pools' device, updated by what changed (`device_block_table`), and what
+        #: `copy_batch_block_offsets` wrote into each destination before.
+        self._block_table: DeviceBlockTable | None = None
+        self.offset_destinations = OffsetDestinations()
         # The V2 scheduler's state: suspended caches (kept, not grown) and each generation
         # step's reserved draft slots (`try_allocate_generation`).
         self._suspended: set[int] = set()
@@ -805,6 +811,8 @@ class KVCacheManagerV2:
             )
         for rid in ids:
             self.caches.pop(rid).free()
+            if self._block_table is not None:
+                self._block_table.forget(rid)
             self._suspended.discard(rid)
             self._allocated_draft_lens.pop(rid, None)
             self._capacity_before.pop(rid, None)
@@ -854,7 +862,30 @@ class KVCacheManagerV2:
             self.offset_layout, dst_tensor, ids, beam_width, num_contexts, num_seqs, max_blocks
         )
         caches = self.caches.require(ids, "copy_batch_block_offsets")
-        export.write_block_offsets(self.offset_layout, dst_tensor, ids, caches, num_seqs, width, label)
+        table = self._synced_table(ids, caches)
+        self.offset_destinations.write(self.offset_layout, table, dst_tensor, ids, caches, num_seqs, width, label)
+
+    # -- the device block table (manager/block_table.py) -------------------------------------
+    @property
+    def device_block_table(self) -> DeviceBlockTable:
+        """Ours: every live request's rows on the pools' device, one ring per pool, kept up to date by
+        `sync_block_table` with only the entries that changed (manager/block_table.py)."""
+        if self._block_table is None:
+            self._block_table = DeviceBlockTable(self.num_pools, self.config.device)
+        return self._block_table
+
+    def sync_block_table(self, request_ids: Iterable[int]) -> DeviceBlockTable:
+        """Ours: bring these requests' rows of `device_block_table` up to date; returns the table.
+        `MissingKVCacheError` naming every id without a cache (nothing changes then)."""
+        ids = list(request_ids)
+        return self._synced_table(ids, self.caches.require(ids, "sync_block_table"))
+
+    def _synced_table(self, ids: list[int], caches: list[KVCache]) -> DeviceBlockTable:
+        table = self.device_block_table
+        if table.num_attached > len(self.caches):  # a cache dropped without free_resources
+            table.prune(self.caches)
+        table.sync(ids, caches)
+        return table
 
     def check_accounting(self) -> None:
         """Every pool balances (held + cached-free + free = total), and every held page is in exactly

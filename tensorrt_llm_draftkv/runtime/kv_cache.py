@@ -66,6 +66,10 @@ class KVCache:
         #: Derived data a consumer keeps per cache (the block-offset export keeps its
         #: numpy rows here), dropped with the cache. The cache never reads it.
         self.export_memo: dict = {}
+        #: `(group, ordinal)` of every row entry changed since the last `drain_changes`,
+        #: kept only once a consumer asked for it (`track_changes`): a table mirrored
+        #: elsewhere (the manager's device block table) then costs O(changed) per step.
+        self._changes: list[tuple[int, int]] | None = None
 
     # -- queries ----------------------------------------------------------------
     @property
@@ -94,10 +98,43 @@ class KVCache:
         row = self._rows[group][lo:hi]
         return row + [BAD_PAGE_INDEX] * (hi - lo - len(row))
 
+    def block_entries(self, group: int, ordinals: Sequence[int]) -> list[int]:
+        """Pages of these ordinals (BAD_PAGE_INDEX where unbacked or past the row), in order."""
+        row = self._rows[group]
+        n = len(row)
+        return [row[o] if 0 <= o < n else BAD_PAGE_INDEX for o in ordinals]
+
     def settled_blocks(self, group: int) -> int:
         """Block ordinals below this keep their entry in every later state of the row (a
         rollback may lower it again: it describes the state the cache is in now)."""
         return self._settled[group]
+
+    def first_backed(self, group: int, start: int = 0) -> int:
+        """The lowest backed block ordinal at or above `start` (the row's length when none is)."""
+        row = self._rows[group]
+        n = len(row)
+        o = start
+        while o < n and row[o] == BAD_PAGE_INDEX:
+            o += 1
+        return o
+
+    # -- the change log (a mirror of the rows kept elsewhere) ---------------------------
+    def track_changes(self) -> None:
+        """Start logging every changed row entry; what was logged before is dropped."""
+        self._changes = []
+
+    @property
+    def tracks_changes(self) -> bool:
+        return self._changes is not None
+
+    def drain_changes(self) -> list[tuple[int, int]]:
+        """`(group, ordinal)` of the entries changed since the last call (repeats possible; an
+        ordinal past a row's end was cut off). Empty when nothing changed or nothing is tracked."""
+        log = self._changes
+        if not log:
+            return []
+        self._changes = []
+        return log
 
     def held_pages(self, group: int) -> list[int]:
         return [p for p in self._rows[group] if p != BAD_PAGE_INDEX]
@@ -170,6 +207,11 @@ class KVCache:
         row = self._rows[g]
         old_len = len(row)
         saved = [(o, row[o]) for o in plan.clear]
+        log = self._changes
+        if log is not None:
+            log.extend((g, o) for o in plan.clear)
+            log.extend((g, o) for o in plan.allocate)
+            log.extend((g, o) for o in range(plan.new_len, old_len))
         if plan.new_len < old_len:
             saved += [(o, row[o]) for o in range(plan.new_len, old_len)]
             del row[plan.new_len :]
@@ -311,6 +353,8 @@ class KVCache:
         for g, group in enumerate(self.groups):
             group.pool.share([p for p in rows[g] if p != BAD_PAGE_INDEX], owner=self.owner)
             self._rows[g] = list(rows[g])
+            if self._changes is not None:
+                self._changes.extend((g, o) for o in range(len(rows[g])))
             self._held[g] = sum(1 for p in rows[g] if p != BAD_PAGE_INDEX)
             self.keys.adopt(g, keys[g][:n])
         self._settled = settled
@@ -331,6 +375,7 @@ class KVCache:
         self.closed = True
         self.version += 1
         self.export_memo = {}
+        self._changes = None
 
     def checkpoint(self) -> tuple:
         """Everything that defines this cache, immutable: what a test compares for bit-identity
@@ -364,8 +409,12 @@ class KVCache:
         if records:
             self.version += 1
             self.export_memo = {}  # the settled marks go back: derived rows start over
+        log = self._changes
         for undo in reversed(records):
-            for row, (old_len, saved) in zip(self._rows, undo.rows):
+            for g, (row, (old_len, saved)) in enumerate(zip(self._rows, undo.rows)):
+                if log is not None:
+                    log.extend((g, o) for o, _ in saved)
+                    log.extend((g, o) for o in range(min(old_len, len(row)), max(old_len, len(row))))
                 if len(row) < old_len:
                     row.extend([BAD_PAGE_INDEX] * (old_len - len(row)))
                 for o, page in reversed(saved):

@@ -1,0 +1,206 @@
+"""The manager's device block table: a ring per pool that follows every cache's rows by their change logs.
+
+Random resizes (growth, window releases, out-of-pages refusals), batch rollbacks,
+frees and re-used request ids over a windowed group with a sink and a full-attention
+group, on a table that starts one row by one column wide (so it grows and re-lays
+out). After every step each live request's live span in the table (host mirror)
+equals its cache's row, and its first/extent are the row's lowest backed ordinal and
+backed extent. A second test pins that a step changes only what the resizes touched.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from tensorrt_llm_draftkv import BAD_PAGE_INDEX, KVCacheManagerV2, KVPoolConfig, LayerGroupConfig
+from tensorrt_llm_draftkv.manager.block_table import DeviceBlockTable
+
+P = 4
+
+
+def _manager(window: int = 12, sinks: int = 1, pages: tuple[int, int] = (24, 40)) -> KVCacheManagerV2:
+    config = KVPoolConfig(
+        layer_groups=(LayerGroupConfig(1, window=window, sink_blocks=sinks), LayerGroupConfig(1, window=None)),
+        pages_per_group=pages, tokens_per_block=P, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+        max_seq_len=60 * P,
+    )
+    return KVCacheManagerV2.from_pool_config(config)
+
+
+def check_rows(table: DeviceBlockTable, mgr: KVCacheManagerV2, ids: list[int]) -> None:
+    for rid in ids:
+        cache = mgr.get_cache(rid)
+        for g in range(mgr.num_pools):
+            row = cache.block_row(g)
+            backed = [o for o, page in enumerate(row) if page != BAD_PAGE_INDEX]
+            first, extent, pages = table.host_row(g, rid)
+            assert first == (backed[0] if backed else len(row)), (rid, g, row)
+            assert extent == (backed[-1] + 1 if backed else 0), (rid, g, row)
+            assert pages.tolist() == row[first:extent], (rid, g, first, extent, row)
+            assert np.array_equal(table.device_row(g, rid), pages)
+
+
+class RingFollowsRows(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mgr = _manager()
+        self.table = DeviceBlockTable(self.mgr.num_pools, "cpu", rows=1, width=1)
+        self.next_id = 0
+
+    def live(self) -> list[int]:
+        return self.mgr.request_ids()
+
+    @rule(capacity=st.integers(1, 40))
+    def new_request(self, capacity: int) -> None:
+        rid = self.next_id
+        self.next_id += 1
+        cache = self.mgr.caches.new(rid)
+        if cache.resize(capacity, 0):
+            self.mgr.caches[rid] = cache
+        self.table.sync(self.live(), [self.mgr.get_cache(r) for r in self.live()])
+
+    @rule(pick=st.integers(0, 1000), grow=st.integers(0, 24), advance=st.integers(0, 24))
+    def resize(self, pick: int, grow: int, advance: int) -> None:
+        if not self.live():
+            return
+        rid = self.live()[pick % len(self.live())]
+        cache = self.mgr.get_cache(rid)
+        history = min(cache.history_length + advance, cache.capacity + grow)
+        cache.resize(max(cache.capacity, history) + grow, history)  # False (out of pages) changes nothing
+
+    @rule(picks=st.lists(st.integers(0, 1000), min_size=1, max_size=3), grow=st.integers(1, 30))
+    def rolled_back_batch(self, picks: list[int], grow: int) -> None:
+        if not self.live():
+            return
+        ids = sorted({self.live()[p % len(self.live())] for p in picks})
+        with pytest.raises(RuntimeError):
+            with self.mgr.caches.transaction(ids):
+                for rid in ids:
+                    cache = self.mgr.get_cache(rid)
+                    cache.resize(cache.capacity + grow, cache.history_length + grow // 2)
+                raise RuntimeError("the step failed")
+
+    @rule(pick=st.integers(0, 1000))
+    def free(self, pick: int) -> None:
+        if not self.live():
+            return
+        rid = self.live()[pick % len(self.live())]
+        self.mgr.free_resources(_Req(rid))
+        self.table.forget(rid)
+
+    @rule(pick=st.integers(0, 1000), capacity=st.integers(1, 30))
+    def replace_cache_under_the_same_id(self, pick: int, capacity: int) -> None:
+        """A request id whose cache was dropped and made anew (a re-used id) is re-read whole."""
+        if not self.live():
+            return
+        rid = self.live()[pick % len(self.live())]
+        self.mgr.caches.pop(rid).free()
+        cache = self.mgr.caches.new(rid)
+        if cache.resize(capacity, 0):
+            self.mgr.caches[rid] = cache
+        else:
+            self.table.forget(rid)
+
+    @invariant()
+    def table_matches_every_row(self) -> None:
+        ids = self.live()
+        self.table.sync(ids, [self.mgr.get_cache(r) for r in ids])
+        check_rows(self.table, self.mgr, ids)
+
+
+class _Req:
+    def __init__(self, rid: int) -> None:
+        self.py_request_id = rid
+
+
+TestRingFollowsRows = RingFollowsRows.TestCase
+TestRingFollowsRows.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_a_generation_step_writes_only_what_its_resize_changed():
+    """Steps of a windowed request: each sync writes the columns of the ordinals its resize allocated or
+    released (one entry each), never the row; a step that changes no page writes nothing."""
+    mgr = _manager(window=12, sinks=0, pages=(40, 80))
+    table = DeviceBlockTable(mgr.num_pools, "cpu", width=64)  # wide enough: no re-layout in this test
+    cache = mgr.caches.new(7)
+    assert cache.resize(100, 99)  # window: ordinals 22..24 live; full: 0..24
+    mgr.caches[7] = cache
+    assert table.sync([7], [cache]) == 3 + 25
+    assert table.sync([7], [cache]) == 0
+    assert cache.resize(101, 100)  # ordinal 25 allocated in both pools
+    assert table.sync([7], [cache]) == 1 + 1
+    assert cache.resize(104, 103)  # the window releases ordinal 22; no new block
+    assert table.sync([7], [cache]) == 1
+    assert cache.resize(105, 104)  # ordinal 26 in both pools
+    assert table.sync([7], [cache]) == 1 + 1
+    assert cache.resize(106, 105)  # inside the page: no row changes
+    assert table.sync([7], [cache]) == 0
+    check_rows(table, mgr, [7])
+    assert table.relayouts == 0
+
+
+def test_the_ring_of_a_windowed_pool_stays_narrow_whatever_the_prompt():
+    """Ring width follows the window's live span, not the prompt: a 3,000-page prompt on a 3-page window."""
+    mgr = _manager(window=12, sinks=0, pages=(40, 4000))
+    table = DeviceBlockTable(mgr.num_pools, "cpu")
+    cache = mgr.caches.new(1)
+    assert cache.resize(3000 * P, 3000 * P - 1)
+    mgr.caches[1] = cache
+    table.sync([1], [cache])
+    for step in range(40):
+        assert cache.resize(3000 * P + 3 * step + 3, 3000 * P + 3 * step + 2)
+        table.sync([1], [cache])
+    check_rows(table, mgr, [1])
+    assert table.width(0) <= 8
+    assert table.width(1) >= 3000
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_copy_batch_block_offsets_into_a_kept_tensor_equals_a_fresh_export(seed):
+    """Random steps (growth, releases, rollbacks, frees, new requests, shuffled and shortened batches) into
+    one kept destination, poisoned first: after every call its rows equal a fresh "cpp" export, and a call
+    after steps that changed few rows writes only those rows' changed entries."""
+    rng = np.random.default_rng(seed)
+    mgr = _manager(window=12, sinks=1, pages=(60, 120))
+    dst = torch.from_numpy(rng.integers(-5, 1000, size=(2, 6, 2, 40), dtype=np.int32))
+    next_id = 0
+    for step in range(60):
+        live = mgr.request_ids()
+        if len(live) < 6 and rng.random() < 0.3:
+            cache = mgr.caches.new(next_id)
+            if cache.resize(int(rng.integers(1, 60)), 0):
+                mgr.caches[next_id] = cache
+            next_id += 1
+        for rid in mgr.request_ids():
+            cache = mgr.get_cache(rid)
+            if rng.random() < 0.5:
+                grow = int(rng.integers(0, 4))
+                history = min(cache.history_length + int(rng.integers(0, 4)), cache.capacity + grow)
+                cache.resize(min(max(cache.capacity, history) + grow, 40 * P), min(history, 40 * P))
+        if rng.random() < 0.1 and mgr.request_ids():
+            mgr.free_resources(_Req(int(rng.choice(mgr.request_ids()))))
+        ids = mgr.request_ids()
+        if rng.random() < 0.2:
+            ids = list(rng.permutation(ids))[: int(rng.integers(0, len(ids) + 1))]
+        ids = [int(i) for i in ids]
+        mgr.copy_batch_block_offsets(dst, ids, 1, 0, len(ids), max_blocks=40)
+        if ids:
+            want = mgr.get_block_offsets(ids, "cpp", width=40)
+            assert torch.equal(dst[:, : len(ids)], want), (seed, step)
+    # the same batch twice: the second call writes nothing; then one request grows by a page
+    ids = mgr.request_ids()
+    mgr.copy_batch_block_offsets(dst, ids, 1, 0, len(ids), max_blocks=40)
+    mgr.copy_batch_block_offsets(dst, ids, 1, 0, len(ids), max_blocks=40)
+    assert mgr.offset_destinations.last_entries == 0 and mgr.offset_destinations.last_full_rows == 0
+    for rid in ids[1:]:
+        mgr.free_resources(_Req(rid))
+    cache = mgr.get_cache(ids[0])
+    assert cache.resize(min(cache.capacity + P, 40 * P), min(cache.history_length + P, cache.capacity))
+    mgr.copy_batch_block_offsets(dst, ids[:1], 1, 0, 1, max_blocks=40)
+    assert mgr.offset_destinations.last_full_rows == 0
+    assert 0 < mgr.offset_destinations.last_entries <= 2 * 2 * 4  # pools x (K, V) x a few ordinals
+    assert torch.equal(dst[:, :1], mgr.get_block_offsets(ids[:1], "cpp", width=40))
