@@ -5,7 +5,7 @@ tables and extents; ``rebase_block_table`` shifts rows past their base pages;
 ``prepare_paged_latent`` does a DFlash generation step's whole preparation in
 one launch, from decoded tables (two-step form) or straight from the exported
 block offsets (one-pass form: decode, extents, rebase and preparation in one
-pass); ``BoundPreparation`` relaunches one one-pass call over fixed tensors
+pass) or straight from a manager's device block table (ring form); ``BoundPreparation`` relaunches one one-pass call over fixed tensors
 without re-checking it. Each has a ``*_reference`` twin in plain torch; see ``spec_tail_kernels.py`` for
 the coordinates and the dispatch rules.
 """
@@ -20,6 +20,7 @@ from .spec_tail_kernels import (
     prepare_paged_latent,
     prepare_paged_latent_one_pass_reference,
     prepare_paged_latent_reference,
+    prepare_paged_latent_ring_reference,
     rebase_block_table,
     rebase_block_table_reference,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "prepare_paged_latent",
     "prepare_paged_latent_one_pass_reference",
     "prepare_paged_latent_reference",
+    "prepare_paged_latent_ring_reference",
     "rebase_block_table",
     "rebase_block_table_reference",
     "triton_runs",

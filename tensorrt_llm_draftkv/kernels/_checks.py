@@ -172,6 +172,36 @@ def check_prepare(
     return dev, kw
 
 
+def check_ring(
+    tensors: tuple[torch.Tensor, ...],
+    *,
+    block_size: int,
+    tokens_per_block: int,
+    max_ctx: int,
+    max_new: int,
+    out: Optional[PagedLatentPrep],
+    read_window: Optional[int] = None,
+) -> tuple[torch.device, dict]:
+    """The ring form's arguments (``tables, extents, table_rows, table_first`` then the step vectors)."""
+    tables, extents, table_rows, table_first, *vectors = tensors
+    check_int("tables", tables, 2)
+    R, C = tables.shape
+    if C < 1:
+        raise ValueError("the ring form needs a table at least one column wide (ordinal o lives at column o % C)")
+    check_int("extents", extents, 1, (R,))
+    check_int("table_first", table_first, 1, (R,))
+    B = vectors[0].shape[0] if vectors[0].dim() == 1 else -1
+    check_int("table_rows", table_rows, 1, (B,))
+    kw = _check_step_vectors(
+        B, tuple(vectors), block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx,
+        max_new=max_new, read_window=read_window,
+    )
+    dev = same_device(*tensors)
+    if out is not None:
+        _check_step_out(out, B, C, kw, dev)
+    return dev, kw
+
+
 def _check_step_vectors(
     B: int,
     vectors: tuple[torch.Tensor, ...],

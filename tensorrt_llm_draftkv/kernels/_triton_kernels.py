@@ -1,7 +1,7 @@
 """The registry of the draft-KV block-table kernels' Triton bodies, one module each.
 
 The bodies (``_decode_kernel.py``, ``_rebase_kernel.py``, ``_prepare_kernel.py``,
-``_one_pass_kernel.py``) are plain Python functions written in ``triton.language``.
+``_one_pass_kernel.py``, ``_ring_kernel.py``) are plain Python functions written in ``triton.language``.
 They are wrapped twice, lazily, by :func:`get_kernel`:
 
 * a compiled ``JITFunction`` for CUDA tensors, and
@@ -33,6 +33,7 @@ from ._decode_kernel import decode_kernel
 from ._one_pass_kernel import one_pass_kernel
 from ._prepare_kernel import prepare_kernel
 from ._rebase_kernel import rebase_kernel
+from ._ring_kernel import ring_kernel
 
 
 _BODIES = {
@@ -40,6 +41,7 @@ _BODIES = {
     "rebase_block_table": rebase_kernel,
     "prepare_paged_latent": prepare_kernel,
     "prepare_paged_latent_one_pass": one_pass_kernel,
+    "prepare_paged_latent_ring": ring_kernel,
 }
 
 # ``max_ctx`` is converted with ``.to`` inside the body, so it must stay a
@@ -49,6 +51,7 @@ _NO_SPECIALIZE = {
     "decode_draft_block_table": [],
     "rebase_block_table": [],
     "prepare_paged_latent": ["max_ctx"],
+    "prepare_paged_latent_ring": ["max_ctx"],
     # every integer stays a runtime value: the fast launcher's cache key then only
     # needs each integer's width (alignment hints are explicit constexprs)
     "prepare_paged_latent_one_pass": [

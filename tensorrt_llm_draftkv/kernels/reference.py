@@ -267,6 +267,107 @@ def _bound_rows(rows: torch.Tensor, shift: torch.Tensor, end: torch.Tensor, P: i
     return torch.where(live, rows, BAD_PAGE).to(torch.int32)
 
 
+def ring_entries(
+    tables: torch.Tensor, extents: torch.Tensor, table_rows: torch.Tensor, table_first: torch.Tensor,
+    ordinals: torch.Tensor,
+) -> torch.Tensor:
+    """Pages of absolute block ``ordinals`` ``[B, K]`` read from a ring table, -1 outside each live span.
+
+    Batch row ``b`` reads table row ``r = table_rows[b]`` of ``tables`` ``[R, C]``, which
+    holds ordinal ``o`` at column ``o % C`` for ``table_first[r] <= o < min(extents[r],
+    table_first[r] + C)`` (its live span).
+    """
+    r = table_rows.to(torch.int64)
+    C = tables.shape[1]
+    first, ext = ring_span(extents, table_first, r, C)
+    inside = (ordinals >= first[:, None]) & (ordinals < ext[:, None])
+    if C == 0:
+        return torch.full_like(ordinals, BAD_PAGE, dtype=torch.int32)
+    cols = torch.where(inside, ordinals, 0) % C
+    pages = tables[r].to(torch.int64).gather(1, cols)
+    return torch.where(inside, pages, BAD_PAGE).to(torch.int32)
+
+
+def ring_span(
+    extents: torch.Tensor, table_first: torch.Tensor, rows: torch.Tensor, C: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first, extent)`` (absolute ordinals) of table rows ``rows``; the extent clamped into ``[0, first + C]``."""
+    first = table_first.to(torch.int64)[rows]
+    ext = torch.minimum(extents.to(torch.int64)[rows].clamp_min(0), first + C)
+    return first, ext
+
+
+def prepare_paged_latent_ring_reference(
+    tables: torch.Tensor,
+    extents: torch.Tensor,
+    table_rows: torch.Tensor,
+    table_first: torch.Tensor,
+    slot_ids: torch.Tensor,
+    slot_ctx_len: torch.Tensor,
+    slot_base_pages: torch.Tensor,
+    num_new: torch.Tensor,
+    *,
+    block_size: int,
+    tokens_per_block: int,
+    max_ctx: int,
+    max_new: int,
+    read_window: Optional[int] = None,
+    read_width: Optional[int] = None,
+    out: Optional[PagedLatentPrep] = None,
+) -> PagedLatentPrep:
+    """Torch reference of the ring form of :func:`~tensorrt_llm_draftkv.kernels.prepare_paged_latent`.
+
+    Defined as the two-step form on each row's absolute ``"python"`` table (ordinal
+    ``o`` -> :func:`ring_entries`, extents as given), without ever building it: every
+    ordinal the step reads or stores is looked up in the ring. Rows are ``read_width``
+    columns (default: ``out.read_rows``' width, else :func:`window_read_width` with a
+    window, else the ring's width ``C``).
+    """
+    B = slot_ids.shape[0]
+    C = tables.shape[1]
+    dev = tables.device
+    P = tokens_per_block
+    r = table_rows.to(torch.int64)
+    sid = slot_ids.to(torch.int64)
+    L = slot_ctx_len.to(torch.int64)[sid]
+    base = slot_base_pages.to(torch.int64)[sid]
+    n = num_new.to(torch.int64)
+    _, ext = ring_span(extents, table_first, r, C)
+
+    new_ctx = torch.clamp(L + n, max=max_ctx)
+    if read_window is not None:
+        base = window_read_base(base, new_ctx, block_size=block_size, tokens_per_block=P, read_window=read_window)
+    if read_width is None:
+        read_width = out.read_rows.shape[1] if out is not None else (
+            window_read_width(read_window, P) if read_window is not None else C)
+    shift = torch.minimum(base, ext).clamp_min(0)
+    src = shift[:, None] + torch.arange(read_width, dtype=torch.int64, device=dev)[None, :]
+    rows = ring_entries(tables, extents, r, table_first, src)
+    if read_window is not None:
+        rows = torch.where(src * P < (new_ctx + block_size)[:, None], rows, BAD_PAGE).to(torch.int32)
+    read_lens = torch.minimum((new_ctx - base * P).clamp_min(0), (ext - shift) * P)
+    query_pos = new_ctx[:, None] + torch.arange(block_size, dtype=torch.int64, device=dev)
+
+    i = torch.arange(max_new, dtype=torch.int64, device=dev)[None, :]
+    pos = L[:, None] + i
+    valid = (i < n[:, None]) & (pos < max_ctx) & (pos >= 0)
+    ordinal = torch.where(valid, pos, -1) // P
+    store_pages = torch.where(valid, ring_entries(tables, extents, r, table_first, ordinal), BAD_PAGE)
+    store_offsets = torch.where(valid, pos % P, BAD_PAGE).to(torch.int32)
+    res = PagedLatentPrep(
+        read_rows=rows.reshape(B, read_width),
+        read_lens=read_lens,
+        query_pos=query_pos,
+        store_pages=store_pages.to(torch.int32),
+        store_offsets=store_offsets,
+        new_ctx_len=new_ctx,
+        shift=shift,
+    )
+    if out is not None:
+        return out.copy_(res)
+    return res
+
+
 def prepare_paged_latent_one_pass_reference(
     block_offsets: torch.Tensor,
     pool_idx: int,

@@ -44,7 +44,7 @@ shifts to ``>= 0`` by kernels and references alike.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -54,6 +54,7 @@ from ._checks import (
     check_decode,
     check_prepare,
     check_rebase,
+    check_ring,
     next_pow2,
     num_warps as warps_for,
     pick_block,
@@ -66,6 +67,7 @@ from .reference import (
     decode_draft_block_table_reference,
     prepare_paged_latent_one_pass_reference,
     prepare_paged_latent_reference,
+    prepare_paged_latent_ring_reference,
     rebase_block_table_reference,
 )
 from ._one_pass_call import prepare_one_pass as _prepare_one_pass
@@ -226,10 +228,12 @@ def prepare_paged_latent(
     fast_launch: bool = True,
     source_tiles: Optional[bool] = None,
     read_window: Optional[int] = None,
+    table_rows: Optional[torch.Tensor] = None,
+    table_first: Optional[torch.Tensor] = None,
 ) -> PagedLatentPrep:
     """One DFlash generation step's preparation, in ONE kernel launch.
 
-    Two forms, identical results:
+    Three forms, identical results:
 
     * **two-step**: ``tables`` and ``extents`` come from
       :func:`decode_draft_block_table` (a launch of its own);
@@ -238,6 +242,15 @@ def prepare_paged_latent(
       decode, the extents, the rebase and the preparation then happen in one
       launch that reads each offset of the rows once. The result's
       ``extents`` field holds the decoded extents (``None`` in the two-step form).
+    * **ring**: ``tables`` is a manager's device block table of one pool
+      (``manager.device_block_table.ring(pool, ids)``: int32 ``[R, C]``, table row
+      ``r`` holding block ordinal ``o`` at column ``o % C``), ``extents`` its
+      ``[R]`` extents, ``table_first`` its ``[R]`` first live ordinals and
+      ``table_rows`` ``[B]`` the table row of each batch row. Every ordinal outside
+      a row's live span ``[first, extent)`` reads as -1 (the ``"python"``
+      decode of the row), so the launch reads ``O(window)`` entries per row, never
+      an export as wide as the prompt. Without ``read_window`` the read rows are
+      ``C`` columns wide (a row's live span, from its shift).
 
     Args (``B`` rows, ``M`` ordinals per row, ``S`` slots, ``P = tokens_per_block``):
         tables: int32/int64 ``[B, M]`` UNREBASED page tables of the rows (any strides).
@@ -298,6 +311,14 @@ def prepare_paged_latent(
     when ``out`` is preallocated.
     """
     vectors = (slot_ids, slot_ctx_len, slot_base_pages, num_new)
+    if table_rows is not None or table_first is not None:
+        if table_rows is None or table_first is None or block_offsets is not None:
+            raise ValueError("the ring form takes tables, extents, table_rows and table_first, and no block_offsets")
+        return _prepare_ring(
+            (tables, extents, table_rows, table_first, *vectors), block_size=block_size,
+            tokens_per_block=tokens_per_block, max_ctx=max_ctx, max_new=max_new, out=out, impl=impl, block=block,
+            num_warps=num_warps, fast_launch=fast_launch, read_window=read_window,
+        )
     if block_offsets is not None or tables is None:
         return _prepare_one_pass(
             block_offsets, pool_idx, divisor, backend, tables, extents, vectors,
@@ -322,6 +343,51 @@ def prepare_paged_latent(
     if B == 0:
         return out
     _launch_prepare(tensors, out, block, num_warps, fast_launch, **kw)
+    return out
+
+
+def _prepare_ring(
+    tensors: tuple[torch.Tensor, ...],
+    *,
+    out: Optional[PagedLatentPrep],
+    impl: Optional[str],
+    block: Optional[int],
+    num_warps: Optional[int],
+    fast_launch: bool,
+    **step: Any,
+) -> PagedLatentPrep:
+    """The ring form (checked), one launch."""
+    dev, kw = check_ring(tensors, out=out, **step)
+    tables = tensors[0]
+    C = tables.shape[1]
+    width = read_width(kw, C)
+    if not _dispatch.triton_runs(impl, dev):
+        return prepare_paged_latent_ring_reference(*tensors, out=out, read_width=None if out else width, **kw)
+    B = tensors[2].shape[0]
+    if out is None:
+        out = PagedLatentPrep.empty(B, width, kw["block_size"], kw["max_new"], device=dev)
+    if B == 0:
+        return out
+    out_w = out.read_rows.shape[1]
+    blk = pick_block(B, out_w, block, dev.type != "cuda")
+    _dispatch.launch(
+        "prepare_paged_latent_ring",
+        dev,
+        (B, max(1, -(-out_w // blk))),
+        (
+            tables, vec(tensors[1]), vec(tensors[3]), vec(tensors[2]), *(vec(t) for t in tensors[4:]),
+            out.read_rows, out.read_lens, out.query_pos, out.store_pages, out.store_offsets, out.new_ctx_len,
+            out.shift, C, kw["max_ctx"], kw["block_size"], kw["max_new"], tables.stride(0), tables.stride(1),
+            out.read_rows.stride(0), kw["read_window"] or 0, out_w,
+        ),
+        fast_launch,
+        P=kw["tokens_per_block"],
+        BLOCK=blk,
+        QBLOCK=next_pow2(max(kw["block_size"], 1)),
+        NBLOCK=next_pow2(max(kw["max_new"], 1)),
+        WINDOWED=kw["read_window"] is not None,
+        num_warps=num_warps or warps_for(blk),
+    )
     return out
 
 
@@ -388,6 +454,7 @@ __all__ = [
     "prepare_paged_latent",
     "prepare_paged_latent_one_pass_reference",
     "prepare_paged_latent_reference",
+    "prepare_paged_latent_ring_reference",
     "rebase_block_table",
     "rebase_block_table_reference",
 ]
