@@ -11,6 +11,7 @@ the coordinates and the dispatch rules.
 """
 from ._dispatch import HAVE_TRITON, LAUNCH_COUNTS, triton_runs
 from .bound_preparation import BoundPreparation
+from .reference import ring_entries
 from .spec_tail_kernels import (
     BlockTables,
     PagedLatentPrep,
@@ -40,5 +41,6 @@ __all__ = [
     "prepare_paged_latent_ring_reference",
     "rebase_block_table",
     "rebase_block_table_reference",
+    "ring_entries",
     "triton_runs",
 ]

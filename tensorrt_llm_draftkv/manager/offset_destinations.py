@@ -9,14 +9,18 @@ request each row holds and the device block table's epoch it was written at; the
 next call writes whole only the rows whose request changed (or that were never
 written), and for the others only the ordinals the table's syncs logged since.
 
-The memory of a destination assumes nobody else writes its rows `[0, num_seqs)`
-and columns `[0, width)` between calls; `forget(dst)` (or `forget_all()`) makes the
-next call write every row again.
+A destination is recognised by object identity (the same tensor object, as an
+executor's attention metadata keeps it) and by torch's version counter of its
+storage: any in-place write by someone else in between (through the tensor or any
+view of it) makes the next call write every row again, and so does a new tensor
+that happens to reuse the old one's memory. `forget(dst)` (or `forget_all()`) does
+the same by hand.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -31,10 +35,12 @@ class _Written:
     epoch: int
     width: int
     ids: list[int]
+    tensor: "weakref.ref[torch.Tensor]"
+    version: int  # the storage's version counter right after our write
 
 
-def _key(dst: torch.Tensor) -> tuple:
-    return (dst.data_ptr(), tuple(dst.shape), tuple(dst.stride()), str(dst.device))
+def _key(dst: torch.Tensor) -> int:
+    return id(dst)
 
 
 class OffsetDestinations:
@@ -61,6 +67,8 @@ class OffsetDestinations:
         ("cpp" offsets), after `table.sync(ids, caches)`; arguments checked by `export.check_copy_args`."""
         key = _key(dst)
         before = self._written.get(key)
+        if before is not None and (before.tensor() is not dst or before.version != dst._version):
+            before = None  # another tensor at the same address, or written by someone else since
         changes = None if before is None or before.width != width else table.changes_since(before.epoch)
         full: list[int] = []
         delta: list[tuple[int, int, np.ndarray]] = []  # (row, group, ordinals)
@@ -73,7 +81,8 @@ class OffsetDestinations:
                 delta.extend((b, g, ords[ords < width]) for g, ords in logged)
         entries = self._write_full(layout, dst, ids, caches, full, width, width_label)
         entries += export.write_block_offset_entries(layout, dst, caches, delta)
-        self._written[key] = _Written(table.epoch, width, list(ids))
+        self._written = {k: w for k, w in self._written.items() if w.tensor() is not None}
+        self._written[key] = _Written(table.epoch, width, list(ids), weakref.ref(dst), dst._version)
         self.last_entries, self.last_full_rows = entries, len(full)
 
     @staticmethod

@@ -14,7 +14,8 @@ slot each holds is the metadata's business.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping, Optional, Sequence
+import functools
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -23,6 +24,7 @@ from ..kernels import (
     PagedLatentPrep,
     decode_draft_block_table,
     prepare_paged_latent,
+    ring_entries,
 )
 from ..kernels import triton_runs
 from ..request import LlmRequest
@@ -57,6 +59,42 @@ class ContextStorePlan:
     pages: list[torch.Tensor]  # per pool, int32 [n]
     offsets: torch.Tensor  # int32 [n], -1 = not stored
 
+
+@dataclasses.dataclass
+class RingStepTables:
+    """One pool's tables of a step, read from the draft manager's device block table (no export).
+
+    ``ring`` holds the pool's ring ``pages [R, C]``, ``first`` and ``extent`` ``[R]``
+    (block ordinals) and ``rows`` ``[B]`` (the table row of each batch row): ordinal
+    ``o`` of batch row ``b`` is ``pages[rows[b], o % C]`` inside ``[first, extent)``
+    of its table row, -1 elsewhere. ``tables`` / ``extents`` give the same rows in the
+    two-step form's absolute layout (the ``"python"`` decode, built on first use) for
+    a consumer that indexes rows by absolute ordinal.
+    """
+
+    ring: Any
+
+    def pages_of(self, row: int, ordinals: torch.Tensor) -> torch.Tensor:
+        """int32 pages of absolute ``ordinals`` ``[n]`` of batch row ``row``, -1 outside its live span."""
+        r = self.ring
+        return ring_entries(r.pages, r.extent, r.rows[row : row + 1], r.first, ordinals.to(r.pages.device)[None, :])[0]
+
+    @functools.cached_property
+    def extents(self) -> torch.Tensor:
+        """int64 ``[B]``: each batch row's extent (one past its last backed ordinal)."""
+        r = self.ring
+        return r.extent.to(torch.int64)[r.rows]
+
+    @functools.cached_property
+    def tables(self) -> torch.Tensor:
+        """int32 ``[B, M]`` absolute rows (``M`` the longest extent), -1 where unbacked."""
+        r = self.ring
+        M = int(self.extents.max()) if self.extents.numel() else 0
+        ordinals = torch.arange(M, dtype=torch.int64, device=r.pages.device)[None, :].expand(r.rows.shape[0], M)
+        return ring_entries(r.pages, r.extent, r.rows, r.first, ordinals)
+
+
+StepTables = Union[BlockTables, RingStepTables]
 
 #: ``check_room(row, new_ctx_len)``: raises if the row's block would not fit its mirror.
 RoomCheck = Callable[[Row, int], None]
@@ -117,11 +155,14 @@ def decode_tables(
     fused: bool,
     pages_per_slot: int,
     device: torch.device,
-) -> list[BlockTables]:
+    ring: bool = False,
+) -> list[StepTables]:
     """Unrebased page tables ``[B, M]`` and extents, one per pool (layer group).
 
     ``draft_manager=None`` (private arena): slot ``s`` owns pages
     ``[s * pages_per_slot, (s + 1) * pages_per_slot)``, every row counts full.
+    ``ring``: read the draft manager's device block table instead (synced for these
+    rows, only what changed since the last step), when it lives on ``device``.
     """
     impl = None if fused else "reference"
     if draft_manager is None:
@@ -131,6 +172,9 @@ def decode_tables(
         extents = torch.full((len(slots),), pps, dtype=torch.int64, device=device)
         return [BlockTables(tables, extents)]
     dm = draft_manager
+    if ring and _same_device(torch.device(dm.config.device), device):
+        table = dm.sync_block_table(ids)
+        return [RingStepTables(table.ring(g, ids)) for g in range(dm.num_pools)]
     if not triton_runs(impl, device):
         # The torch decode would only invert the export: take the tables from the rows.
         return [BlockTables(t.to(device), e.to(device)) for t, e in dm.block_tables(ids, backend, width="live")]
@@ -142,10 +186,20 @@ def decode_tables(
     ]
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """`cuda` and `cuda:<current>` are one device."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+
+
 # --------------------------------------------------------------------------- context stores
 def advance_slot_for_context(
     slots: SlotTable,
-    tables: Sequence[BlockTables],
+    tables: Sequence[StepTables],
     index: int,
     row: Row,
     positions: torch.Tensor | Sequence[int],
@@ -175,9 +229,13 @@ def advance_slot_for_context(
     slot_pos = torch.arange(L, L + n, dtype=torch.int64, device=slots.device)
     keep = slot_pos < limit
     pages = []
+    ordinal = slot_pos // P
     for bt in tables:
+        if isinstance(bt, RingStepTables):
+            pg = bt.pages_of(index, torch.where(keep, ordinal, -1)).to(slots.device)
+            pages.append(torch.where(keep, pg, -1).to(torch.int32))
+            continue
         M = bt.tables.shape[1]
-        ordinal = slot_pos // P
         inside = keep & (ordinal < M)
         pg = bt.tables[index].long().gather(0, torch.where(inside, ordinal, 0)) if M else ordinal
         pages.append(torch.where(inside, pg, -1).to(torch.int32))
@@ -250,7 +308,7 @@ def _new_lengths(
 def prepare_generation(
     slots: SlotTable,
     rows: Sequence[Row],
-    tables: Sequence[BlockTables],
+    tables: Sequence[StepTables],
     slot_ids: torch.Tensor,
     counts: list[int],
     *,
@@ -277,9 +335,17 @@ def prepare_generation(
     windows = list(read_windows) if read_windows is not None else [None] * len(tables)
     preps = []
     for bt, window in zip(tables, windows):
+        impl = None if fused else "reference"
+        if isinstance(bt, RingStepTables):
+            r = bt.ring
+            preps.append(prepare_paged_latent(
+                r.pages, r.extent, slot_ids, slots.ctx_len, slots.base_pages, n_t, table_rows=r.rows,
+                table_first=r.first, max_ctx=slots.store_limit(), impl=impl, read_window=window, **kw,
+            ))
+            continue
         preps.append(prepare_paged_latent(
             bt.tables, bt.extents, slot_ids, slots.ctx_len, slots.base_pages, n_t,
-            max_ctx=slots.store_limit(), impl=None if fused else "reference", read_window=window, **kw,
+            max_ctx=slots.store_limit(), impl=impl, read_window=window, **kw,
         ))
     if rows:
         slots.ctx_len.index_copy_(0, slot_ids, preps[0].new_ctx_len)
@@ -290,7 +356,9 @@ def prepare_generation(
 
 __all__ = [
     "ContextStorePlan",
+    "RingStepTables",
     "Row",
+    "StepTables",
     "check_block_room",
     "check_pool",
     "decode_tables",

@@ -8,7 +8,7 @@ block rows are per layer group (pool), by page ordinal; -1 marks an unbacked ent
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -63,5 +63,15 @@ class DraftPool(Protocol):
 
     def get_buffers(self, layer_idx: int, kv_layout: str = "NHD") -> Optional[torch.Tensor]: ...
 
+    def sync_block_table(self, request_ids: Iterable[int]) -> "RingSource":
+        """The manager's device block table, brought up to date for these requests."""
 
-__all__ = ["DraftPool", "MirrorCache"]
+
+class RingSource(Protocol):
+    """What the drafter's side reads of a draft manager's device block table (manager/block_table.py)."""
+
+    def ring(self, pool: int, request_ids: Sequence[int]) -> Any:
+        """Pool ``pool``'s ring (``pages``, ``first``, ``extent``) and these requests' table ``rows``."""
+
+
+__all__ = ["DraftPool", "MirrorCache", "RingSource"]

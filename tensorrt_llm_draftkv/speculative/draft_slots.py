@@ -33,10 +33,10 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from ..kernels import BlockTables, PagedLatentPrep
+from ..kernels import PagedLatentPrep
 from ..request import LlmRequest, ScheduledRequests
 from . import addressing, slot_assignment
-from .addressing import ContextStorePlan, Row
+from .addressing import ContextStorePlan, Row, StepTables
 from .draft_pool import DraftPool
 from .handoff_seed import check_seed_range, mirror_backed_from
 from .slot_start import Seeding, SlotStart
@@ -114,7 +114,7 @@ class DFlashDraftSlots:
         # this step
         self.rows: list[Row] = []
         self.draft_manager: Optional[DraftPool] = None
-        self.tables: list[BlockTables] = []
+        self.tables: list[StepTables] = []
         self.slot_ids = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._prep: list[PagedLatentPrep] | None = None
         self.seeds: dict[int, SlotStart] = {}  # request id -> start given by the last prepare_step()
@@ -219,6 +219,8 @@ class DFlashDraftSlots:
         tables = addressing.decode_tables(
             dm, ids, [r.slot for r in rows], backend=self.backend, fused=self.fused,
             pages_per_slot=self.arena_pages_per_slot, device=self.device,
+            # the pre-fix slot-local seeding keeps the exported tables, so its hazard stays reproducible
+            ring=self.read_bound == "window" and self.seeding is not Seeding.SLOT_LOCAL,
         )
         self._apply(plan, rows, seeds, tables, dm)
         return rows
@@ -240,7 +242,7 @@ class DFlashDraftSlots:
             )
 
     def _apply(
-        self, plan: SlotPlan, rows: list[Row], seeds: dict[int, SlotStart], tables: list[BlockTables], dm: Optional[DraftPool]
+        self, plan: SlotPlan, rows: list[Row], seeds: dict[int, SlotStart], tables: list[StepTables], dm: Optional[DraftPool]
     ) -> None:
         self.slots.apply(plan)
         self.rows = rows

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..kernels import ring_entries
 from .draft_pool import DraftPool
 
 
@@ -39,9 +40,9 @@ class PoolBinding:
     manager: Optional[DraftPool] = None
     #: per pool, int64 [num_slots]: entries the last decode found non-negative (upstream's block counts)
     counts: list[torch.Tensor] = field(default_factory=list)
-    #: per pool, the pages each row's request holds (see `note_owned`), and for which rows and step
-    owned: list[torch.Tensor] = field(default_factory=list)
-    safe: list[torch.Tensor] = field(default_factory=list)
+    #: per pool, the draft manager's device block table for the rows (see `note_owned`), and for which
+    #: rows and step
+    owned: list[Any] = field(default_factory=list)
     owned_ids: list[int] = field(default_factory=list)
     refreshed_step: int = -1
 
@@ -80,23 +81,21 @@ class PoolBinding:
         return out
 
     def note_owned(self, request_ids: list[int], step: int) -> None:
-        """Read each row's mirror once per refresh: `safe[p]` (int64 `[rows, width]`) is the decoded
-        table where it names the page the request holds, -1 everywhere else (released, unbacked, or
-        another page), so a store of the step needs one gather and one sync to be checked."""
-        n = len(request_ids)
-        self.owned = [t.to(self.device).long() for t, _ in self.manager.block_tables(request_ids, "python")]
-        self.safe = []
-        for p, owned in enumerate(self.owned):
-            table = self.tables[p][:n].long()
-            width = max(owned.shape[1], table.shape[1])
-            owned_w = torch.full((n, width), -1, dtype=torch.int64, device=self.device)
-            owned_w[:, : owned.shape[1]] = owned
-            table_w = torch.full((n, width), -1, dtype=torch.int64, device=self.device)
-            table_w[:, : table.shape[1]] = table
-            self.owned[p] = owned_w
-            self.safe.append(torch.where((owned_w >= 0) & (owned_w == table_w), owned_w, -1))
+        """The rows' own pages for this step's store checks: the draft manager's device block table,
+        synced for these requests (only what changed since the last step), one ring per pool."""
+        table = self.manager.sync_block_table(request_ids)
+        self.owned = [table.ring(p, request_ids) for p in range(len(self.tables))]
         self.owned_ids = list(request_ids)
         self.refreshed_step = step
+
+    def _held_and_named(self, p: int, rows: torch.Tensor, ordinal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 `[n]` each `(row, ordinal)`'s page in its request's mirror (-1 where it holds none) and the
+        page the decoded table names there (-1 past the table's width)."""
+        ring, table = self.owned[p], self.tables[p]
+        held = ring_entries(ring.pages, ring.extent, ring.rows[rows], ring.first, ordinal[:, None])[:, 0].long()
+        inside = (ordinal >= 0) & (ordinal < table.shape[1])
+        named = torch.where(inside, table[rows, torch.where(inside, ordinal, 0)].long(), -1)
+        return held, named
 
     def checked_pages(self, step: int, rows: torch.Tensor, positions: torch.Tensor) -> dict[int, torch.Tensor]:
         """Pool -> int64 `[n]` page of each `(row, position)`, each one a page the row's request holds.
@@ -114,9 +113,8 @@ class PoolBinding:
         r = torch.where(known, rows, 0)
         out, bad = {}, ~known
         for p in sorted(set(self.layer_pool)):
-            safe = self.safe[p]
-            inside = known & (ordinal >= 0) & (ordinal < safe.shape[1])
-            out[p] = torch.where(inside, safe[r, torch.where(inside, ordinal, 0)], -1)
+            held, named = self._held_and_named(p, r, torch.where(known, ordinal, -1))
+            out[p] = torch.where(known & (held >= 0) & (held == named), held, -1)
             bad |= out[p] < 0
         if rows.numel() and bool(bad.any()):
             self._refuse(int(bad.nonzero()[0]), rows, positions)
@@ -131,9 +129,8 @@ class PoolBinding:
             )
         rid, ordinal = self.owned_ids[r], pos // self.tokens_per_block
         for p in sorted(set(self.layer_pool)):
-            owned, table = self.owned[p], self.tables[p]
-            held = int(owned[r, ordinal]) if 0 <= ordinal < owned.shape[1] else -1
-            page = int(table[r, ordinal]) if 0 <= ordinal < table.shape[1] else -1
+            held_t, named_t = self._held_and_named(p, rows[i : i + 1], positions[i : i + 1] // self.tokens_per_block)
+            held, page = int(held_t[0]), int(named_t[0])
             if held < 0 or held != page:
                 what = "does not back that ordinal" if held < 0 else f"holds page {held} there"
                 raise DraftStoreRefused(

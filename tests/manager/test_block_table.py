@@ -204,3 +204,25 @@ def test_copy_batch_block_offsets_into_a_kept_tensor_equals_a_fresh_export(seed)
     assert mgr.offset_destinations.last_full_rows == 0
     assert 0 < mgr.offset_destinations.last_entries <= 2 * 2 * 4  # pools x (K, V) x a few ordinals
     assert torch.equal(dst[:, :1], mgr.get_block_offsets(ids[:1], "cpp", width=40))
+
+
+def test_a_destination_written_by_someone_else_or_replaced_is_written_whole():
+    """The memory of a destination trusts only the same tensor object, untouched since: a write through a
+    view, or a new tensor (even one at the same address), gets every row again."""
+    mgr = _manager(window=12, sinks=0, pages=(40, 80))
+    for rid in (1, 2):
+        cache = mgr.caches.new(rid)
+        assert cache.resize(50, 49)
+        mgr.caches[rid] = cache
+    dst = torch.zeros((2, 2, 2, 20), dtype=torch.int32)
+    mgr.copy_batch_block_offsets(dst, [1, 2], 1, 0, 2, max_blocks=20)
+    mgr.copy_batch_block_offsets(dst, [1, 2], 1, 0, 2, max_blocks=20)
+    assert mgr.offset_destinations.last_full_rows == 0
+    dst[:, :, :, 3:5].fill_(-9)  # someone else's write, through a view
+    mgr.copy_batch_block_offsets(dst, [1, 2], 1, 0, 2, max_blocks=20)
+    assert mgr.offset_destinations.last_full_rows == 2
+    assert torch.equal(dst, mgr.get_block_offsets([1, 2], "cpp", width=20))
+    fresh = torch.full_like(dst, -3)  # a new tensor: nothing known of it
+    mgr.copy_batch_block_offsets(fresh, [1, 2], 1, 0, 2, max_blocks=20)
+    assert mgr.offset_destinations.last_full_rows == 2
+    assert torch.equal(fresh, dst)
