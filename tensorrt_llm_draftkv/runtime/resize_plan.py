@@ -46,24 +46,31 @@ def plan_group_resize(
     release: list[int] = []
     clear: list[int] = []
     allocate: list[int] = []
-    kept = min(len(row), num_blocks)
-    walk = [range(start, min(max(hi, start), kept)), range(kept, max(num_blocks, len(row)))]
-    for ordinal in (o for span in walk for o in span):
-        page = row[ordinal] if ordinal < len(row) else BAD_PAGE_INDEX
-        keep = ordinal < num_blocks and not (lo <= ordinal < hi)
-        if not keep:
+    old_len = len(row)
+    kept = min(old_len, num_blocks)
+    # Ordinals in both rows from the settled mark up to hi: each is stale from lo on, else kept.
+    # (Plain loops, no generator chain: this runs for every step that crosses a page.)
+    for ordinal in range(start, min(max(hi, start), kept)):
+        page = row[ordinal]
+        if ordinal >= lo:
             if page != BAD_PAGE_INDEX:
                 release.append(page)
-                if ordinal < num_blocks:
-                    clear.append(ordinal)
+                clear.append(ordinal)
         elif page == BAD_PAGE_INDEX:
             allocate.append(ordinal)
+    if num_blocks < old_len:  # the shrink: every backed ordinal past the new end goes
+        release.extend(page for page in row[num_blocks:] if page != BAD_PAGE_INDEX)
+    elif hi <= old_len:  # the growth above the stale range (every generation step): all get a page
+        allocate.extend(range(old_len, num_blocks))
+    else:  # the growth: every new ordinal outside the stale range gets a page
+        allocate.extend(o for o in range(old_len, num_blocks) if not lo <= o < hi)
     if life_cycle.window is None:
         # Full attention never releases: every block wholly below history is final.
         new_settled = max(start, min(history // P, num_blocks))
     else:
         new_settled = max(hi, start) if hi > lo else start
-    return GroupPlan(release, clear, allocate, num_blocks, new_settled)
+    # tuple.__new__: a NamedTuple's own constructor costs as much as the plan on a one-page step
+    return tuple.__new__(GroupPlan, (release, clear, allocate, num_blocks, new_settled))
 
 
 __all__ = ["GroupPlan", "ceil_div", "plan_group_resize"]
