@@ -15,7 +15,7 @@ from ..llmapi import KvCacheConfig
 from ..mapping import Mapping
 from ..request import (LlmRequest, ScheduledRequests, generated_tokens, reused_prefix, set_target_view,
                        skip_reused_prefix, target_view)
-from ..runtime import KVCache, LayerGroup, LifeCycle, PagePool
+from ..runtime import KVCache, LayerGroup, LifeCycle, PagePool, batch_resize
 from . import accessors, dummies, export, rules, upstream_geometry, upstream_init
 from .buffers import LayerSlot, check_layer, layer_buffer, sequential_layer_slots
 from .diagnostics import KVCacheResizeError, MissingKVCacheError, context_step, resize_error
@@ -412,6 +412,11 @@ class KVCacheManagerV2:
             )
         self._check_unique(batch)
         self._resume_scheduled(batch)
+        if not batch.context_requests and self._resize_known_to_fit(
+            batch.generation_requests, self.sizing_rules.generation
+        ):
+            self.last_prepared_batch = batch
+            return
         steps = [(r, "context", self.sizing_rules.context) for r in batch.context_requests]
         steps += [(r, "generation", self.sizing_rules.generation) for r in batch.generation_requests]
         views = [(r, target_view(r), reused_prefix(r)) for r in batch.context_requests]
@@ -427,6 +432,15 @@ class KVCacheManagerV2:
                     req.prepopulated_prompt_len = reused
             raise
         self.last_prepared_batch = batch
+
+    def _resize_known_to_fit(self, reqs: Sequence[LlmRequest], sizing) -> bool:
+        """Size every request's existing cache by `sizing(req, cache) -> (capacity, history)` in order,
+        without a transaction, when the sizes are valid and the pools have the pages for all of them
+        (`runtime.batch_resize`). False, changing nothing, otherwise: the caller then takes the
+        journaled per-request path, whose errors and rollback are the batch's contract."""
+        caches = [self.caches[r.py_request_id] for r in reqs]
+        sizes = [sizing(r, c) for r, c in zip(reqs, caches)]
+        return batch_resize.resize_in_order(self.layer_groups, caches, sizes)
 
     def _resume_scheduled(self, batch: ScheduledRequests) -> None:
         """A scheduled request whose cache is suspended is resumed first, as upstream's draft manager
@@ -521,15 +535,19 @@ class KVCacheManagerV2:
             r for r in scheduled_batch.all_requests()
             if generated_tokens(r) >= 1 and not r.is_dummy and self.is_request_active(r.py_request_id)
         ]
-        with self.caches.transaction(r.py_request_id for r in reqs):
-            for req in reqs:
-                cache = self.caches[req.py_request_id]
-                history = max(req.max_beam_num_tokens - 1, cache.history_length)
-                if not cache.resize(max(history + 1, 0), history):
-                    # Every draft was accepted and the pool has no page for the next token's
-                    # slot: still advance history (this only releases pages); the next
-                    # prepare reserves the slot, or raises the explicit resize error.
-                    cache.resize(max(cache.capacity, history), history)
+        def after_step(req: LlmRequest, cache: KVCache) -> tuple[int, int]:
+            return rules.after_step_sizing(req.max_beam_num_tokens, cache.history_length)
+
+        if not self._resize_known_to_fit(reqs, after_step):
+            with self.caches.transaction(r.py_request_id for r in reqs):
+                for req in reqs:
+                    cache = self.caches[req.py_request_id]
+                    capacity, history = after_step(req, cache)
+                    if not cache.resize(capacity, history):
+                        # Every draft was accepted and the pool has no page for the next token's
+                        # slot: still advance history (this only releases pages); the next
+                        # prepare reserves the slot, or raises the explicit resize error.
+                        cache.resize(max(cache.capacity, history), history)
         for req in reqs:  # the step is over: nothing of it is left to revert
             self._allocated_draft_lens.pop(req.py_request_id, None)
             self._capacity_before.pop(req.py_request_id, None)

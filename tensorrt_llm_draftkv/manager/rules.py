@@ -92,6 +92,14 @@ def context_history(policy: DraftPoolTraits, *, start: int, mirror_covers_start:
     return None
 
 
+def after_step_sizing(tokens: int, history_length: int) -> tuple[int, int]:
+    """(capacity, history) once a step is over: history = `tokens` − 1 (the last token has no KV
+    yet), never below the cache's `history_length`; capacity one above it, the next token's slot,
+    so the step's rejected draft slots are dropped."""
+    history = max(tokens - 1, history_length)
+    return max(history + 1, 0), history
+
+
 def disagg_gen_init_sizing(
     policy: DraftPoolTraits, *, prompt_len: int, generation_headroom: int, draft_tokens: int, extra_tokens: int
 ) -> tuple[int, int | None]:
