@@ -412,9 +412,8 @@ class KVCacheManagerV2:
             )
         self._check_unique(batch)
         self._resume_scheduled(batch)
-        if not batch.context_requests and self._resize_known_to_fit(
-            batch.generation_requests, self.sizing_rules.generation
-        ):
+        gen = batch.generation_requests
+        if not batch.context_requests and self._resize_known_to_fit(gen, self.sizing_rules.generation_sizes(gen)):
             self.last_prepared_batch = batch
             return
         steps = [(r, "context", self.sizing_rules.context) for r in batch.context_requests]
@@ -433,13 +432,14 @@ class KVCacheManagerV2:
             raise
         self.last_prepared_batch = batch
 
-    def _resize_known_to_fit(self, reqs: Sequence[LlmRequest], sizing) -> bool:
-        """Size every request's existing cache by `sizing(req, cache) -> (capacity, history)` in order,
-        without a transaction, when the sizes are valid and the pools have the pages for all of them
+    def _resize_known_to_fit(self, reqs: Sequence[LlmRequest], sizes: Sequence[tuple[int, int | None]],
+                             caches: Sequence[KVCache] | None = None) -> bool:
+        """Size every request's existing cache to its `(capacity, history)` of `sizes` (absolute tokens) in
+        order, without a transaction, when the sizes are valid and the pools have the pages for all of them
         (`runtime.batch_resize`). False, changing nothing, otherwise: the caller then takes the
         journaled per-request path, whose errors and rollback are the batch's contract."""
-        caches = [self.caches[r.py_request_id] for r in reqs]
-        sizes = [sizing(r, c) for r, c in zip(reqs, caches)]
+        if caches is None:
+            caches = [self.caches[r.py_request_id] for r in reqs]
         return batch_resize.resize_in_order(self.layer_groups, caches, sizes)
 
     def _resume_scheduled(self, batch: ScheduledRequests) -> None:
@@ -531,18 +531,19 @@ class KVCacheManagerV2:
         `kv_cache_dtype_byte_size` (upstream's, for moving accepted drafts inside the cache
         and for its stats) are not needed here: drafts are written at their final positions.
         """
+        live, suspended = self.caches, self._suspended  # `is_request_active`, once per request
         reqs = [
             r for r in scheduled_batch.all_requests()
-            if generated_tokens(r) >= 1 and not r.is_dummy and self.is_request_active(r.py_request_id)
+            if generated_tokens(r) >= 1 and not r.is_dummy and r.py_request_id in live
+            and r.py_request_id not in suspended
         ]
-        def after_step(req: LlmRequest, cache: KVCache) -> tuple[int, int]:
-            return rules.after_step_sizing(req.max_beam_num_tokens, cache.history_length)
-
-        if not self._resize_known_to_fit(reqs, after_step):
+        caches = [live[r.py_request_id] for r in reqs]
+        sizes = rules.after_step_sizes([r.max_beam_num_tokens for r in reqs], [c.history_length for c in caches])
+        if not self._resize_known_to_fit(reqs, sizes, caches):
             with self.caches.transaction(r.py_request_id for r in reqs):
                 for req in reqs:
                     cache = self.caches[req.py_request_id]
-                    capacity, history = after_step(req, cache)
+                    capacity, history = rules.after_step_sizing(req.max_beam_num_tokens, cache.history_length)
                     if not cache.resize(capacity, history):
                         # Every draft was accepted and the pool has no page for the next token's
                         # slot: still advance history (this only releases pages); the next

@@ -64,7 +64,7 @@ step = st.tuples(
 )
 
 
-@settings(deadline=None, max_examples=60)
+@settings(deadline=None, max_examples=150)
 @given(
     kind=st.sampled_from(["draft", "target"]),
     groups=st.sampled_from(sorted(GROUPS)),
@@ -76,7 +76,7 @@ step = st.tuples(
 def test_fast_and_journaled_paths_leave_the_same_state(kind, groups, pages, prompts, dummies, steps):
     fast = _manager(kind, groups, pages)
     slow = _manager(kind, groups, pages)
-    slow._resize_known_to_fit = lambda reqs, sizing: False  # the per-request path, always
+    slow._resize_known_to_fit = lambda *args: False  # the per-request path, always
     live: list[LlmRequest] = []
     for rid, prompt in enumerate(prompts):
         req = LlmRequest(rid, prompt_len=prompt, state=LlmRequestState.DISAGG_GENERATION_INIT)
@@ -152,3 +152,14 @@ def test_pools_with_listeners_or_block_reuse_are_not_plain():
     assert not batch_resize.plain_pools(groups)
     reuse = [LayerGroup(LifeCycle(None), PagePool(4, tokens_per_block=P, head_dim=1, block_reuse=True))]
     assert not batch_resize.plain_pools(reuse)
+
+
+def test_the_batch_sizing_rules_are_the_per_request_ones():
+    from tensorrt_llm_draftkv.manager import rules
+
+    # history = tokens - 1, never below the cache's; capacity one above it
+    assert rules.after_step_sizes([10, 3, 1], [4, 7, 0]) == [(10, 9), (8, 7), (1, 0)]
+    assert [rules.after_step_sizing(t, h) for t, h in [(10, 4), (3, 7), (1, 0)]] == [(10, 9), (8, 7), (1, 0)]
+    sizing = rules.StepSizing(max_draft_len=3, num_extra_kv_tokens=2)
+    reqs = [LlmRequest(i, prompt_len=5, tokens=[1] * (5 + i)) for i in range(3)]
+    assert sizing.generation_sizes(reqs) == [sizing.generation(r, None) for r in reqs] == [(10, None), (11, None), (12, None)]
