@@ -193,19 +193,19 @@ class KVCache:
         a block above its settled mark. Most generation steps move inside one page."""
         P = self.tokens_per_block
         num_blocks = -(-capacity // P)
-        settled = self._settled
-        for g, row in enumerate(self._rows):
+        for row, group, settled in zip(self._rows, self.groups, self._settled):
             if len(row) != num_blocks:
                 return False
-            life_cycle = self.groups[g].life_cycle
+            life_cycle = group.life_cycle
             window = life_cycle.window
             if window is not None:
                 # `LifeCycle.stale_range` inlined (it runs for every request of every step):
                 # lo = min(ceil(history / P), sinks), hi = max(lo, (history + 1 - W) // P).
-                lo = min(-(-history // P), life_cycle.sink_blocks)
                 hi = (history + 1 - window) // P
-                if hi > lo and hi > settled[g]:
-                    return False
+                if hi > settled:
+                    lo = -(-history // P)
+                    if hi > lo or hi > life_cycle.sink_blocks:
+                        return False
         return True
 
     def _move_cursors(self, capacity: int, history: int) -> None:

@@ -293,7 +293,15 @@ class PagePool:
         reverse, so the first listed (a request's lowest ordinal, which every
         longer prefix needs) is evicted last.
         """
-        bad = [p for p in pages if p not in self._sets.held]
+        held = self._sets.held
+        if len(pages) == 1 and pages[0] in held and self.prefix is None and not self._listeners \
+                and not self._journal.is_open:
+            # One plain page, nobody to tell, nothing to log (a generation step's dropped slot page):
+            # what the general path below does for this case, without its bookkeeping calls.
+            held.remove(pages[0])
+            self._sets.free.append(pages[0])
+            return
+        bad = [p for p in pages if p not in held]
         if bad or len(set(pages)) != len(pages):
             raise ValueError(f"release of pages not held (or repeated): {sorted(set(bad)) or pages}")
         if self.prefix is None:
