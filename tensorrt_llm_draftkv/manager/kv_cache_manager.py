@@ -446,6 +446,8 @@ class KVCacheManagerV2:
         """A scheduled request whose cache is suspended is resumed first, as upstream's draft manager
         does; a refused resume raises `KVCacheResizeError` ("Failed to resume ...", phase "resume")
         before anything changes, never a silent skip."""
+        if not self._suspended:  # the usual step: nothing to look for
+            return
         suspended = [r for r in batch.all_requests() if r.py_request_id in self._suspended]
         if not suspended:
             return

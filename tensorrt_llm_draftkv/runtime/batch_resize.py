@@ -33,21 +33,25 @@ def plan_in_order(
     is named twice or a pool is not plain (`plain_pools`)."""
     if len({id(c) for c in caches}) != len(caches) or not plain_pools(groups):
         return None
-    pool_of = [id(g.pool) for g in groups]  # groups may share one pool: one balance for both
-    balance = {pid: g.pool.num_free for pid, g in zip(pool_of, groups)}
+    # Groups may share one pool: one balance (free pages left) per distinct pool, by slot.
+    slots: dict[int, int] = {}
+    slot_of = [slots.setdefault(id(g.pool), len(slots)) for g in groups]
+    balance = [0] * len(slots)
+    for slot, group in zip(slot_of, groups):
+        balance[slot] = group.pool.num_free
     planned: list[ResizePlan] = []
+    append = planned.append
     for cache, (capacity, history) in zip(caches, sizes):
         plan = cache.plan_resize(capacity, history)
         if plan is None:
             return None
         if plan.plans is not None:
             # As `KVCache._fits`: a request's releases come before its allocations.
-            for pid, group_plan in zip(pool_of, plan.plans):
-                balance[pid] += len(group_plan.release) - len(group_plan.allocate)
-            for left in balance.values():
-                if left < 0:
-                    return None
-        planned.append(plan)
+            for slot, group_plan in zip(slot_of, plan.plans):
+                balance[slot] += len(group_plan.release) - len(group_plan.allocate)
+            if min(balance) < 0:
+                return None
+        append(plan)
     return planned
 
 
