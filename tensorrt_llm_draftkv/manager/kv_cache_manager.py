@@ -15,7 +15,7 @@ from ..llmapi import KvCacheConfig
 from ..mapping import Mapping
 from ..request import (LlmRequest, ScheduledRequests, generated_tokens, reused_prefix, set_target_view,
                        skip_reused_prefix, target_view)
-from ..runtime import KVCache, LayerGroup, LifeCycle, PagePool
+from ..runtime import KVCache, LayerGroup, LifeCycle, PagePool, batch_resize
 from . import accessors, dummies, export, rules, upstream_geometry, upstream_init
 from .block_table import DeviceBlockTable
 from .buffers import LayerSlot, check_layer, layer_buffer, sequential_layer_slots
@@ -418,6 +418,10 @@ class KVCacheManagerV2:
             )
         self._check_unique(batch)
         self._resume_scheduled(batch)
+        gen = batch.generation_requests
+        if not batch.context_requests and self._resize_known_to_fit(gen, self.sizing_rules.generation_sizes(gen)):
+            self.last_prepared_batch = batch
+            return
         steps = [(r, "context", self.sizing_rules.context) for r in batch.context_requests]
         steps += [(r, "generation", self.sizing_rules.generation) for r in batch.generation_requests]
         views = [(r, target_view(r), reused_prefix(r)) for r in batch.context_requests]
@@ -434,10 +438,22 @@ class KVCacheManagerV2:
             raise
         self.last_prepared_batch = batch
 
+    def _resize_known_to_fit(self, reqs: Sequence[LlmRequest], sizes: Sequence[tuple[int, int | None]],
+                             caches: Sequence[KVCache] | None = None) -> bool:
+        """Size every request's existing cache to its `(capacity, history)` of `sizes` (absolute tokens) in
+        order, without a transaction, when the sizes are valid and the pools have the pages for all of them
+        (`runtime.batch_resize`). False, changing nothing, otherwise: the caller then takes the
+        journaled per-request path, whose errors and rollback are the batch's contract."""
+        if caches is None:
+            caches = [self.caches[r.py_request_id] for r in reqs]
+        return batch_resize.resize_in_order(self.layer_groups, caches, sizes)
+
     def _resume_scheduled(self, batch: ScheduledRequests) -> None:
         """A scheduled request whose cache is suspended is resumed first, as upstream's draft manager
         does; a refused resume raises `KVCacheResizeError` ("Failed to resume ...", phase "resume")
         before anything changes, never a silent skip."""
+        if not self._suspended:  # the usual step: nothing to look for
+            return
         suspended = [r for r in batch.all_requests() if r.py_request_id in self._suspended]
         if not suspended:
             return
@@ -523,19 +539,24 @@ class KVCacheManagerV2:
         `kv_cache_dtype_byte_size` (upstream's, for moving accepted drafts inside the cache
         and for its stats) are not needed here: drafts are written at their final positions.
         """
+        live, suspended = self.caches, self._suspended  # `is_request_active`, once per request
         reqs = [
             r for r in scheduled_batch.all_requests()
-            if generated_tokens(r) >= 1 and not r.is_dummy and self.is_request_active(r.py_request_id)
+            if generated_tokens(r) >= 1 and not r.is_dummy and r.py_request_id in live
+            and r.py_request_id not in suspended
         ]
-        with self.caches.transaction(r.py_request_id for r in reqs):
-            for req in reqs:
-                cache = self.caches[req.py_request_id]
-                history = max(req.max_beam_num_tokens - 1, cache.history_length)
-                if not cache.resize(max(history + 1, 0), history):
-                    # Every draft was accepted and the pool has no page for the next token's
-                    # slot: still advance history (this only releases pages); the next
-                    # prepare reserves the slot, or raises the explicit resize error.
-                    cache.resize(max(cache.capacity, history), history)
+        caches = [live[r.py_request_id] for r in reqs]
+        sizes = rules.after_step_sizes([r.max_beam_num_tokens for r in reqs], [c.history_length for c in caches])
+        if not self._resize_known_to_fit(reqs, sizes, caches):
+            with self.caches.transaction(r.py_request_id for r in reqs):
+                for req in reqs:
+                    cache = self.caches[req.py_request_id]
+                    capacity, history = rules.after_step_sizing(req.max_beam_num_tokens, cache.history_length)
+                    if not cache.resize(capacity, history):
+                        # Every draft was accepted and the pool has no page for the next token's
+                        # slot: still advance history (this only releases pages); the next
+                        # prepare reserves the slot, or raises the explicit resize error.
+                        cache.resize(max(cache.capacity, history), history)
         for req in reqs:  # the step is over: nothing of it is left to revert
             self._allocated_draft_lens.pop(req.py_request_id, None)
             self._capacity_before.pop(req.py_request_id, None)

@@ -9,6 +9,7 @@ absolute token position; capacities and histories are token counts from 0.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..config import ParsableEnum, SpeculativeDecodingMode
@@ -90,6 +91,19 @@ def context_history(policy: DraftPoolTraits, *, start: int, mirror_covers_start:
     if policy.mode.keeps_trail_page():
         return start
     return None
+
+
+def after_step_sizing(tokens: int, history_length: int) -> tuple[int, int]:
+    """(capacity, history) once a step is over: history = `tokens` − 1 (the last token has no KV
+    yet), never below the cache's `history_length`; capacity one above it, the next token's slot,
+    so the step's rejected draft slots are dropped."""
+    return after_step_sizes([tokens], [history_length])[0]
+
+
+def after_step_sizes(tokens: Sequence[int], history_lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """`after_step_sizing` for a whole batch, in one call (it runs for every request of every step)."""
+    histories = [t - 1 if t - 1 > h else h for t, h in zip(tokens, history_lengths)]
+    return [(h + 1 if h >= 0 else 0, h) for h in histories]
 
 
 def disagg_gen_init_sizing(
@@ -178,6 +192,11 @@ class StepSizing:
     def generation(self, req, cache) -> tuple[int, int | None]:
         """A generation step: the new token, drafts and extra tokens above `tokens - 1`."""
         return req.max_beam_num_tokens - 1 + self.generation_headroom, None
+
+    def generation_sizes(self, reqs: Sequence) -> list[tuple[int, None]]:
+        """`generation` for a whole batch (it reads no cache): the headroom found once."""
+        above = self.generation_headroom - 1
+        return [(req.max_beam_num_tokens + above, None) for req in reqs]
 
     def disagg_gen_init(self, req, cache) -> tuple[int, int | None]:
         """A generation worker's new request (see `disagg_gen_init_sizing`)."""

@@ -25,6 +25,15 @@ class _Undo(NamedTuple):
     rows: list[tuple[int, list[tuple[int, int]]]]  # per group: (old length, old entries)
 
 
+class ResizePlan(NamedTuple):
+    """One cache's planned resize (`KVCache.plan_resize`): the new sizes in tokens, and per layer
+    group what changes in its row (None: no row changes, only the cursors move)."""
+
+    capacity: int
+    history: int
+    plans: list[GroupPlan] | None
+
+
 class KVCache:
     """capacity / history / committed with real pages, resized all-or-nothing.
 
@@ -156,37 +165,84 @@ class KVCache:
         if self._rows_stay(new_capacity, new_history):
             self._move_cursors(new_capacity, new_history)
             return True
-        plans = [self._plan_group(g, new_capacity, new_history) for g in range(len(self.groups))]
+        plans = self._plans(new_capacity, new_history)
         if not self._fits(plans):
             return False
-        undo = _Undo((self.capacity, self.history_length, self.committed), tuple(self._settled), tuple(self._held), [])
+        self._carry_out(new_capacity, new_history, plans)
+        return True
+
+    def plan_resize(self, capacity: int | None, history_length: int | None = None) -> ResizePlan | None:
+        """What `resize(capacity, history_length)` would do, changing nothing (a batch's first pass).
+
+        None when resize would raise ValueError (the caller lets resize raise it). `plans`
+        is None when no row changes (only the cursors move); otherwise one `GroupPlan` per
+        layer group, whose pages (released, allocated) the caller must check its pools can
+        give before `apply_plan`.
+        """
+        if self.closed:
+            return None
+        new_capacity = self.capacity if capacity is None else capacity
+        new_history = self.history_length if history_length is None else history_length
+        if new_capacity < new_history or new_history < self.history_length or new_capacity < 0:
+            return None  # the messages are resize's (`_validated`)
+        # tuple.__new__: a NamedTuple's own constructor is a third of a cursor-only step
+        if self._rows_stay(new_capacity, new_history):
+            return tuple.__new__(ResizePlan, (new_capacity, new_history, None))
+        rows, settled, P = self._rows, self._settled, self.tokens_per_block
+        plans = [plan_group_resize(rows[g], settled[g], group.life_cycle, P, new_capacity, new_history)
+                 for g, group in enumerate(self.groups)]  # `_plans`, a call less: every page crossing runs it
+        return tuple.__new__(ResizePlan, (new_capacity, new_history, plans))
+
+    def apply_plan(self, plan: ResizePlan) -> None:
+        """Carry out a `plan_resize` answer of this cache's current state whose pages the caller made
+        sure the pools have: exactly what `resize` would have done (journaled alike)."""
+        if plan.plans is None:
+            self._move_cursors(plan.capacity, plan.history)
+        else:
+            self._carry_out(plan.capacity, plan.history, plan.plans)
+
+    def _plans(self, capacity: int, history: int) -> list[GroupPlan]:
+        return [self._plan_group(g, capacity, history) for g in range(len(self.groups))]
+
+    def _carry_out(self, capacity: int, history: int, plans: list[GroupPlan]) -> None:
+        """Release, then allocate, then edit the rows: the pools must have the pages."""
+        journal = self._journal
+        if journal is not None:  # no undo record to build when nobody keeps it
+            journal.append(_Undo((self.capacity, self.history_length, self.committed), tuple(self._settled),
+                                 tuple(self._held), []))
         # Release everything first: groups may share one pool, and one group's
         # growth may then need the pages another group gives back.
+        # (An empty release or allocation changes nothing, tells nobody and logs nothing: skipped.)
         for g, plan in enumerate(plans):
-            self.groups[g].pool.release(plan.release, owner=self.owner)
+            if plan.release:
+                self.groups[g].pool.release(plan.release, owner=self.owner)
         for g, plan in enumerate(plans):
-            pages = self.groups[g].pool.allocate(len(plan.allocate), owner=self.owner)
-            undo.rows.append(self._apply(g, plan, pages))
+            pages = self.groups[g].pool.allocate(len(plan.allocate), owner=self.owner) if plan.allocate else []
+            row_undo = self._apply(g, plan, pages)
+            if journal is not None:
+                journal[-1].rows.append(row_undo)
         self.version += 1
-        self.capacity = new_capacity
-        self.history_length = new_history
-        if self._journal is not None:
-            self._journal.append(undo)
-        return True
+        self.capacity = capacity
+        self.history_length = history
 
     def _rows_stay(self, capacity: int, history: int) -> bool:
         """True when no row changes: same block count everywhere and no window releases
         a block above its settled mark. Most generation steps move inside one page."""
         P = self.tokens_per_block
-        num_blocks = ceil_div(capacity, P)
-        for g, row in enumerate(self._rows):
+        num_blocks = -(-capacity // P)
+        for row, group, settled in zip(self._rows, self.groups, self._settled):
             if len(row) != num_blocks:
                 return False
-            life_cycle = self.groups[g].life_cycle
-            if life_cycle.window is not None:
-                lo, hi = life_cycle.stale_range(history, P)
-                if hi > lo and hi > self._settled[g]:
-                    return False
+            life_cycle = group.life_cycle
+            window = life_cycle.window
+            if window is not None:
+                # `LifeCycle.stale_range` inlined (it runs for every request of every step):
+                # lo = min(ceil(history / P), sinks), hi = max(lo, (history + 1 - W) // P).
+                hi = (history + 1 - window) // P
+                if hi > settled:
+                    lo = -(-history // P)
+                    if hi > lo or hi > life_cycle.sink_blocks:
+                        return False
         return True
 
     def _move_cursors(self, capacity: int, history: int) -> None:

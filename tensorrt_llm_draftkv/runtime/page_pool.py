@@ -182,6 +182,15 @@ class PagePool:
         Plain free pages go first; then cached-free pages, least recently used
         first, are evicted (listeners hear "evict" before "allocate").
         """
+        free = self._sets.free
+        if 0 <= count <= len(free) and not self._listeners and not self._journal.is_open:
+            # Plain pages only, nobody to tell, nothing to log (every generation step's page):
+            # what the general path below does for this case, without its bookkeeping calls.
+            pages = free[len(free) - count :][::-1] if count else []  # popped from the end, in order
+            del free[len(free) - count :]
+            self._sets.held.update(pages)
+            self.pages_handed_out += count
+            return pages
         if count < 0:
             raise ValueError(f"cannot allocate a negative number of pages ({count})")
         if count > self.num_free:
@@ -284,7 +293,15 @@ class PagePool:
         reverse, so the first listed (a request's lowest ordinal, which every
         longer prefix needs) is evicted last.
         """
-        bad = [p for p in pages if p not in self._sets.held]
+        held = self._sets.held
+        if len(pages) == 1 and pages[0] in held and self.prefix is None and not self._listeners \
+                and not self._journal.is_open:
+            # One plain page, nobody to tell, nothing to log (a generation step's dropped slot page):
+            # what the general path below does for this case, without its bookkeeping calls.
+            held.remove(pages[0])
+            self._sets.free.append(pages[0])
+            return
+        bad = [p for p in pages if p not in held]
         if bad or len(set(pages)) != len(pages):
             raise ValueError(f"release of pages not held (or repeated): {sorted(set(bad)) or pages}")
         if self.prefix is None:

@@ -38,32 +38,53 @@ def plan_group_resize(
     `[num_blocks, len)`.
     """
     P = tokens_per_block
-    num_blocks = ceil_div(capacity, P)
-    lo, hi = life_cycle.stale_range(history, P)
+    num_blocks = -(-capacity // P)
+    # `life_cycle.stale_range(history, P)`, inlined: this runs for every step that crosses a
+    # page, and history is a valid (>= 0) history here. lo = min(ceil(history / P), sinks),
+    # hi = max(lo, (history + 1 - W) // P); empty (hi = lo) for full attention.
+    window = life_cycle.window
+    lo = -(-history // P)
+    if life_cycle.sink_blocks < lo:
+        lo = life_cycle.sink_blocks
+    hi = lo if window is None else (history + 1 - window) // P
+    if hi < lo:
+        hi = lo
+    old_len = len(row)
+    kept = old_len if old_len < num_blocks else num_blocks
     # Stale ranges only grow with history and capacity never drops below history,
     # so everything below the previous settled mark is final.
-    start = min(settled, len(row), num_blocks)
+    start = settled if settled < kept else kept
     release: list[int] = []
     clear: list[int] = []
     allocate: list[int] = []
-    kept = min(len(row), num_blocks)
-    walk = [range(start, min(max(hi, start), kept)), range(kept, max(num_blocks, len(row)))]
-    for ordinal in (o for span in walk for o in span):
-        page = row[ordinal] if ordinal < len(row) else BAD_PAGE_INDEX
-        keep = ordinal < num_blocks and not (lo <= ordinal < hi)
-        if not keep:
+    # Ordinals in both rows from the settled mark up to hi: each is stale from lo on, else kept.
+    # (Plain loops and comparisons, no generator chains or min/max: every page crossing runs this.)
+    for ordinal in range(start, hi if hi < kept else kept):
+        page = row[ordinal]
+        if ordinal >= lo:
             if page != BAD_PAGE_INDEX:
                 release.append(page)
-                if ordinal < num_blocks:
-                    clear.append(ordinal)
+                clear.append(ordinal)
         elif page == BAD_PAGE_INDEX:
             allocate.append(ordinal)
-    if life_cycle.window is None:
+    if num_blocks < old_len:  # the shrink: every backed ordinal past the new end goes
+        tail = row[num_blocks:]
+        release += tail if BAD_PAGE_INDEX not in tail else [page for page in tail if page != BAD_PAGE_INDEX]
+    elif hi <= old_len:  # the growth above the stale range (every generation step): all get a page
+        allocate += range(old_len, num_blocks)
+    else:  # the growth: every new ordinal outside the stale range gets a page
+        allocate += [o for o in range(old_len, num_blocks) if not lo <= o < hi]
+    if window is None:
         # Full attention never releases: every block wholly below history is final.
-        new_settled = max(start, min(history // P, num_blocks))
+        new_settled = history // P
+        if new_settled > num_blocks:
+            new_settled = num_blocks
+        if new_settled < start:
+            new_settled = start
     else:
-        new_settled = max(hi, start) if hi > lo else start
-    return GroupPlan(release, clear, allocate, num_blocks, new_settled)
+        new_settled = (hi if hi > start else start) if hi > lo else start
+    # tuple.__new__: a NamedTuple's own constructor costs as much as the plan on a one-page step
+    return tuple.__new__(GroupPlan, (release, clear, allocate, num_blocks, new_settled))
 
 
 __all__ = ["GroupPlan", "ceil_div", "plan_group_resize"]

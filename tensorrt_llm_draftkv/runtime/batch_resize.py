@@ -1,0 +1,72 @@
+"""A batch of resizes known to succeed before any is made: the managers' per-step fast path.
+
+Coordinates are the caches' own: (capacity, history) in tokens from absolute
+position 0, pages of each layer group's pool.
+
+A batch transaction (`RequestCaches.transaction`) journals every cache and pool so
+that a failure part-way can be undone. Most generation steps cannot fail: every
+size is valid and the pools have the pages. `resize_in_order` checks that first,
+changing nothing, and then resizes without journals; when it cannot be sure it
+answers False and the caller takes the journaled per-request path, which raises
+or rolls back exactly as before.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .kv_cache import KVCache, ResizePlan
+from .layer_group import LayerGroup
+
+
+def plain_pools(groups: Sequence[LayerGroup]) -> bool:
+    """Can a resize over these groups only fail by a short pool? True when no pool has block reuse
+    (releases would park, allocations evict) or listeners (which might raise mid-batch)."""
+    return all(g.pool.prefix is None and not g.pool.listeners for g in groups)
+
+
+def plan_in_order(
+    groups: Sequence[LayerGroup], caches: Sequence[KVCache], sizes: Sequence[tuple[int | None, int | None]]
+) -> list[ResizePlan] | None:
+    """Each cache's `plan_resize(capacity, history)`, checked as consecutive resizes would run:
+    every size valid and, request after request, every pool able to give the pages still
+    free after the requests before it. None, changing nothing, when any check fails, a cache
+    is named twice or a pool is not plain (`plain_pools`)."""
+    if len({id(c) for c in caches}) != len(caches) or not plain_pools(groups):
+        return None
+    # Groups may share one pool: one balance (free pages left) per distinct pool, by slot.
+    slots: dict[int, int] = {}
+    slot_of = [slots.setdefault(id(g.pool), len(slots)) for g in groups]
+    balance = [0] * len(slots)
+    for slot, group in zip(slot_of, groups):
+        balance[slot] = group.pool.num_free
+    planned: list[ResizePlan] = []
+    append = planned.append
+    for cache, (capacity, history) in zip(caches, sizes):
+        plan = cache.plan_resize(capacity, history)
+        if plan is None:
+            return None
+        if plan.plans is not None:
+            # As `KVCache._fits`: a request's releases come before its allocations.
+            for slot, group_plan in zip(slot_of, plan.plans):
+                balance[slot] += len(group_plan.release) - len(group_plan.allocate)
+            if min(balance) < 0:
+                return None
+        append(plan)
+    return planned
+
+
+def resize_in_order(
+    groups: Sequence[LayerGroup], caches: Sequence[KVCache], sizes: Sequence[tuple[int | None, int | None]]
+) -> bool:
+    """Resize `caches[i]` to `sizes[i]` in order, exactly as consecutive `resize` calls would (same
+    pages, same free-list order, same journal entries where one is open), when `plan_in_order`
+    shows every one succeeds. False, changing nothing, otherwise."""
+    planned = plan_in_order(groups, caches, sizes)
+    if planned is None:
+        return False
+    for cache, plan in zip(caches, planned):
+        cache.apply_plan(plan)
+    return True
+
+
+__all__ = ["plain_pools", "plan_in_order", "resize_in_order"]

@@ -1,0 +1,165 @@
+"""The batch fast path of prepare_resources / update_resources (`runtime.batch_resize`) leaves
+exactly the state, and raises exactly the errors, of the journaled per-request path.
+
+Two managers are driven the same way, one forced onto the per-request path; after every
+call their caches' checkpoints, their pools (free-list order included) and any error must
+be the same. Small pools run out mid-batch; windows, sinks, full attention, a two-group
+pool, warmup dummies, rejected drafts and steps past the reserved slots are all drawn.
+"""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tensorrt_llm_draftkv import (
+    DraftKVCacheManagerV2,
+    KVCacheManagerV2,
+    KVPoolConfig,
+    LayerGroupConfig,
+    LlmRequest,
+    LlmRequestState,
+    ScheduledRequests,
+)
+from tensorrt_llm_draftkv.runtime import KVCache, LayerGroup, LifeCycle, PagePool, batch_resize
+
+P = 4
+DRAFTS = 3
+
+GROUPS = {
+    "window": (LayerGroupConfig(1, window=12),),
+    "window-sinks": (LayerGroupConfig(1, window=9, sink_blocks=1),),
+    "full": (LayerGroupConfig(1),),
+    "window+full": (LayerGroupConfig(1, window=10), LayerGroupConfig(1)),
+}
+
+
+def _manager(kind: str, groups: str, pages: int) -> KVCacheManagerV2:
+    layer_groups = GROUPS[groups]
+    cfg = KVPoolConfig(layer_groups, pages_per_group=(pages,) * len(layer_groups), tokens_per_block=P,
+                       head_dim=1, max_seq_len=1024)
+    if kind == "draft":
+        return DraftKVCacheManagerV2.from_pool_config(cfg, spec_mode="dflash", max_draft_len=DRAFTS,
+                                                      num_extra_kv_tokens=2)
+    return KVCacheManagerV2.from_pool_config(cfg, max_draft_len=DRAFTS)
+
+
+def _state(mgr: KVCacheManagerV2) -> tuple:
+    caches = tuple((rid, mgr.get_cache(rid).checkpoint()) for rid in mgr.request_ids())
+    return caches, tuple(p.state() for p in mgr.pools())
+
+
+def _outcome(call) -> tuple[str, str] | None:
+    try:
+        call()
+    except Exception as err:  # the same type and message from both paths
+        return type(err).__name__, str(err)
+    return None
+
+
+step = st.tuples(
+    st.lists(st.integers(0, 7), min_size=1, max_size=8, unique=True),  # which live requests, in order
+    st.lists(st.integers(0, DRAFTS + 1), min_size=8, max_size=8),  # accepted + bonus per request (0: none)
+    st.booleans(),  # one request jumps far past its reserved slots
+)
+
+
+@settings(deadline=None, max_examples=150)
+@given(
+    kind=st.sampled_from(["draft", "target"]),
+    groups=st.sampled_from(sorted(GROUPS)),
+    pages=st.integers(6, 40),
+    prompts=st.lists(st.integers(1, 60), min_size=1, max_size=6),
+    dummies=st.integers(0, 2),
+    steps=st.lists(step, min_size=1, max_size=12),
+)
+def test_fast_and_journaled_paths_leave_the_same_state(kind, groups, pages, prompts, dummies, steps):
+    fast = _manager(kind, groups, pages)
+    slow = _manager(kind, groups, pages)
+    slow._resize_known_to_fit = lambda *args: False  # the per-request path, always
+    live: list[LlmRequest] = []
+    for rid, prompt in enumerate(prompts):
+        req = LlmRequest(rid, prompt_len=prompt, state=LlmRequestState.DISAGG_GENERATION_INIT)
+        req.tokens.append(1)
+        ok = fast.prepare_disagg_gen_init(req)
+        assert slow.prepare_disagg_gen_init(req) == ok
+        if ok:
+            req.state = LlmRequestState.GENERATION_IN_PROGRESS
+            live.append(req)
+    if dummies:
+        ids = [100 + i for i in range(dummies)]
+        made = fast.add_dummy_requests(ids, is_gen=True, max_num_draft_tokens=DRAFTS)
+        assert (slow.add_dummy_requests(ids, is_gen=True, max_num_draft_tokens=DRAFTS) is None) == (made is None)
+        live += made or []
+    assert _state(fast) == _state(slow)
+    for picks, advances, jump in steps:
+        batch_reqs = [live[i] for i in picks if i < len(live)]
+        if not batch_reqs:
+            continue
+        batch = ScheduledRequests(generation_requests=batch_reqs)
+        failed = _outcome(lambda: fast.prepare_resources(batch))
+        assert _outcome(lambda: slow.prepare_resources(batch)) == failed
+        assert _state(fast) == _state(slow)
+        if failed:
+            continue
+        for req, n in zip(batch_reqs, advances):
+            req.tokens.extend([1] * n)  # fewer than DRAFTS + 1: drafts rejected
+        if jump:
+            batch_reqs[0].tokens.extend([1] * 3 * P)  # history past the reserved capacity
+        outcome = _outcome(lambda: fast.update_resources(batch))
+        assert _outcome(lambda: slow.update_resources(batch)) == outcome
+        assert _state(fast) == _state(slow)
+        fast.check_accounting()
+
+
+def _cache_pair(window: int | None, pages: int) -> tuple[list[LayerGroup], list[KVCache]]:
+    groups = [LayerGroup(LifeCycle(window), PagePool(pages, tokens_per_block=P, head_dim=1))]
+    return groups, [KVCache(groups, P, name=f"r{i}", owner=i) for i in range(2)]
+
+
+def test_a_short_pool_at_the_second_request_changes_nothing():
+    groups, caches = _cache_pair(None, 3)
+    before = [c.checkpoint() for c in caches], groups[0].pool.state()
+    # 2 pages for the first, 2 for the second: the pool has 3, so the batch is refused whole
+    assert batch_resize.plan_in_order(groups, caches, [(8, 0), (8, 0)]) is None
+    assert not batch_resize.resize_in_order(groups, caches, [(8, 0), (8, 0)])
+    assert ([c.checkpoint() for c in caches], groups[0].pool.state()) == before
+    assert batch_resize.resize_in_order(groups, caches, [(8, 0), (4, 0)])
+    assert [c.capacity for c in caches] == [8, 4] and groups[0].pool.num_free == 0
+
+
+def test_pages_a_request_gives_back_count_for_the_ones_after_it():
+    groups, caches = _cache_pair(4, 3)
+    assert caches[0].resize(12, 0)  # 3 pages, none free
+    # the first's window releases 2 pages (history 11: stale below (11+1-4)//4 = 2), the second takes them
+    assert batch_resize.resize_in_order(groups, caches, [(12, 11), (8, 0)])
+    assert caches[1].block_row(0) == [1, 0]  # the released pages, popped from the free list's end
+
+
+@pytest.mark.parametrize("sizes", [[(4, 8)], [(-1, None)], [(4, 0), (8, 2)]])
+def test_an_invalid_size_or_a_repeated_cache_takes_the_journaled_path(sizes):
+    groups, caches = _cache_pair(None, 8)
+    named = [caches[0]] * len(sizes)  # the third case names one cache twice
+    before = caches[0].checkpoint()
+    assert not batch_resize.resize_in_order(groups, named, sizes)
+    assert caches[0].checkpoint() == before
+
+
+def test_pools_with_listeners_or_block_reuse_are_not_plain():
+    groups, _ = _cache_pair(None, 4)
+    assert batch_resize.plain_pools(groups)
+    groups[0].pool.add_listener(lambda event, pages, owner: None)
+    assert not batch_resize.plain_pools(groups)
+    reuse = [LayerGroup(LifeCycle(None), PagePool(4, tokens_per_block=P, head_dim=1, block_reuse=True))]
+    assert not batch_resize.plain_pools(reuse)
+
+
+def test_the_batch_sizing_rules_are_the_per_request_ones():
+    from tensorrt_llm_draftkv.manager import rules
+
+    # history = tokens - 1, never below the cache's; capacity one above it
+    assert rules.after_step_sizes([10, 3, 1], [4, 7, 0]) == [(10, 9), (8, 7), (1, 0)]
+    assert [rules.after_step_sizing(t, h) for t, h in [(10, 4), (3, 7), (1, 0)]] == [(10, 9), (8, 7), (1, 0)]
+    sizing = rules.StepSizing(max_draft_len=3, num_extra_kv_tokens=2)
+    reqs = [LlmRequest(i, prompt_len=5, tokens=[1] * (5 + i)) for i in range(3)]
+    assert sizing.generation_sizes(reqs) == [sizing.generation(r, None) for r in reqs] == [(10, None), (11, None), (12, None)]
