@@ -91,10 +91,13 @@ class NixlTransferStatus(TransferStatus):
 class NixlTransferAgent(BaseTransferAgent):
     """A NIXL agent with the UCX backend, behind the package's transfer-agent interface."""
 
-    def __init__(self, name: str, *, backends: tuple[str, ...] = ("UCX",)) -> None:
+    def __init__(self, name: str, *, backends: tuple[str, ...] = ("UCX",), progress_thread: bool = False) -> None:
+        """`progress_thread`: NIXL's own progress thread; off by default because it polls, taking a core
+        from the workers on a small host; this agent's waits drive progress themselves."""
         api = load_nixl()
         self.name = name
-        self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=list(backends)))
+        config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
+        self._agent = api.nixl_agent(name, config)
         self._remotes: dict[str, str] = {}  # our name for a peer -> the engine's
         self._early: list[bytes] = []  # sync messages that arrived before anyone waited for them
 

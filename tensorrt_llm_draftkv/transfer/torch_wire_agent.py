@@ -4,10 +4,10 @@ A WRITE travels as point-to-point messages to the peer rank: a header, the
 destination descriptors, the source bytes gathered into one buffer, the sync
 message. The receiving rank scatters them into its registered memory when it
 waits for that message. Host memory only (it reaches registered memory by
-address). Bytes move in granules: the largest size dividing every
-descriptor's length and offset, so gathering and scattering index whole
-granules (pages, typically) with one `index_select` / `index_copy_` per
-registered region, never a loop over pages. Coordinates: byte addresses.
+address). Bytes move in granules, per registered region the largest size
+dividing its descriptors' lengths and offsets (a page, typically), so
+gathering and scattering index whole granules with one indexing call per
+region, never a loop over pages. Coordinates: byte addresses.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .agent import (BaseTransferAgent, MemoryDescs, MemoryType, PeerGone, TransferError, TransferRequest,
                     TransferStatus, TransferTimeout)
 
-_HEADER = 4  # [descriptors, total bytes, granule bytes, sync message bytes]
+_HEADER = 3  # [descriptors, total bytes, sync message bytes]
 
 
 @dataclass
@@ -47,8 +47,10 @@ class _Registered:
             self.sizes = np.delete(self.sizes, i)
             del self.views[i]
 
-    def granules(self, descs: np.ndarray, granule: int, what: str) -> tuple[np.ndarray, np.ndarray]:
-        """Per granule of `descs`, in order: its region index and its granule row in that region."""
+    def plan(self, descs: np.ndarray, what: str) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        """How `descs` map onto one flat buffer (descriptor i at its running byte offset): per registered
+        region it touches, `(region, granule, rows in the region, rows in the flat buffer)`, the granule the
+        largest size dividing those descriptors' lengths, region offsets and flat offsets."""
         addr, length = descs[:, 0], descs[:, 1]
         reg = np.searchsorted(self.bases, addr, side="right") - 1
         inside = (reg >= 0) & (addr + length <= self.bases[reg.clip(0)] + self.sizes[reg.clip(0)])
@@ -56,28 +58,30 @@ class _Registered:
             i = int(np.flatnonzero(~inside)[0])
             raise TransferError(f"{what}: descriptor {i} ({int(addr[i]):#x}, {int(length[i])} bytes) is not "
                                 f"inside registered memory")
-        counts = length // granule
-        first = (addr - self.bases[reg]) // granule
-        total = int(counts.sum())
-        run_start = np.repeat(np.cumsum(counts) - counts, counts)
-        rows = np.repeat(first, counts) + (np.arange(total, dtype=np.int64) - run_start)
-        return np.repeat(reg, counts), rows
+        flat = np.cumsum(length) - length
+        offset = addr - self.bases[reg]
+        out = []
+        for r in np.unique(reg).tolist():  # one entry per registered region (pool layer), never per page
+            m = reg == r
+            granule = int(np.gcd.reduce(np.concatenate([length[m], offset[m], flat[m]])))
+            counts = length[m] // granule
+            out.append((r, granule, _expand(offset[m] // granule, counts), _expand(flat[m] // granule, counts)))
+        return out
 
     def rows(self, region: int, granule: int) -> torch.Tensor:
         view = self.views[region]
         return view[: view.numel() // granule * granule].view(-1, granule)
 
 
-def _granule(*descs: np.ndarray, bases: np.ndarray) -> int:
-    """The largest byte count dividing every length and every offset from its region's base."""
-    parts = []
-    for d in descs:
-        reg = (np.searchsorted(bases, d[:, 0], side="right") - 1).clip(0) if len(bases) else None
-        parts.append(d[:, 1])
-        if reg is not None:
-            parts.append(d[:, 0] - bases[reg])
-    g = int(np.gcd.reduce(np.concatenate(parts))) if parts else 1
-    return g or 1
+def _expand(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """`[s0, s0 + 1, .., s0 + c0 - 1, s1, ..]`: every row of every run, vectorised."""
+    total = int(counts.sum())
+    run_start = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(starts, counts) + (np.arange(total, dtype=np.int64) - run_start)
+
+
+def _flat_rows(data: torch.Tensor, granule: int) -> torch.Tensor:
+    return data[: data.numel() // granule * granule].view(-1, granule)
 
 
 class _SendStatus(TransferStatus):
@@ -135,31 +139,28 @@ class TorchWireAgent(BaseTransferAgent):
         if request.op != "WRITE":
             raise TransferError(f"{what}: the torch wire writes only")
         src, dst = request.src_descs.descs, request.dst_descs.descs
-        granule = _granule(src, dst, bases=self._regions.bases)
-        regs, rows = self._regions.granules(src, granule, what)
-        data = torch.empty(rows.size, granule, dtype=torch.uint8)
-        for r in np.unique(regs).tolist():  # one gather per registered region
-            at = np.flatnonzero(regs == r)
-            data[torch.from_numpy(at)] = self._regions.rows(r, granule)[torch.from_numpy(rows[at])]
+        data = torch.empty(int(src[:, 1].sum()), dtype=torch.uint8)
+        for region, granule, rows, flat in self._regions.plan(src, what):  # one gather per registered region
+            _flat_rows(data, granule)[torch.from_numpy(flat)] = self._regions.rows(region, granule)[
+                torch.from_numpy(rows)]
         peer = self._remotes[request.remote_name]
         msg = torch.frombuffer(bytearray(request.sync_message or b"\0"), dtype=torch.uint8)
-        header = torch.tensor([len(dst), rows.size * granule, granule, msg.numel()], dtype=torch.long)
+        header = torch.tensor([len(dst), data.numel(), msg.numel()], dtype=torch.long)
         works = [dist.isend(t, peer) for t in (header, torch.from_numpy(dst.copy()), data.view(-1), msg)]
         return _SendStatus(works, what)
 
     def wait_sync_message(self, message: bytes, timeout_s: float) -> None:
         what = f"sync message {message.decode(errors='replace')}"
         header = self._recv(torch.empty(_HEADER, dtype=torch.long), timeout_s, what)
-        n, total, granule, msg_len = (int(x) for x in header.tolist())
+        n, total, msg_len = (int(x) for x in header.tolist())
         dst = self._recv(torch.empty(n, 3, dtype=torch.long), timeout_s, what).numpy()
-        data = self._recv(torch.empty(total, dtype=torch.uint8), timeout_s, what).view(-1, granule)
+        data = self._recv(torch.empty(total, dtype=torch.uint8), timeout_s, what)
         got = bytes(self._recv(torch.empty(msg_len, dtype=torch.uint8), timeout_s, what).tolist())
         if got != (message or b"\0"):
             raise TransferError(f"{what}: the peer's next transfer carries {got!r}")
-        regs, rows = self._regions.granules(dst, granule, what)
-        for r in np.unique(regs).tolist():  # one scatter per registered region
-            at = torch.from_numpy(np.flatnonzero(regs == r))
-            self._regions.rows(r, granule).index_copy_(0, torch.from_numpy(rows[regs == r]), data[at])
+        for region, granule, rows, flat in self._regions.plan(dst, what):  # one scatter per registered region
+            self._regions.rows(region, granule).index_copy_(
+                0, torch.from_numpy(rows), _flat_rows(data, granule)[torch.from_numpy(flat)])
 
     def _recv(self, t: torch.Tensor, timeout_s: float, what: str) -> torch.Tensor:
         try:

@@ -49,12 +49,19 @@ def handoff_probe_rank(rank: int, **build):
     if rank == 0:
         export = speculator.export_context
 
-        def recording_export(req, tokens, geometry, *, floor=0):
-            payload = export(req, tokens, geometry, floor=floor)
-            probe[req.py_request_id] = [_digest(t) for t in payload]
-            return payload
+        from draftkv_sim import disagg_transfer
 
-        speculator.export_context = recording_export
+        plan = disagg_transfer.transfer_plan
+
+        def recording_plan(req, ex, hit=None):
+            # The pages the one transfer writes hold this (the handshake names them once the hit is known).
+            item = plan(req, ex, hit)
+            if ex is executor and hit is not None and item.drafter_geometry is not None:
+                payload = export(req, ex.tokens[req.py_request_id], item.drafter_geometry, floor=item.drafter_floor)
+                probe[req.py_request_id] = [_digest(t) for t in payload]
+            return item
+
+        disagg_transfer.transfer_plan = recording_plan
     else:
         drafter, manager = speculator.drafter, executor.draft_manager
         imported = speculator.import_context
@@ -124,14 +131,14 @@ def _adopted_digests(executor, rid: int, prompt_len: int, hit: int, drafter_hit:
 
 
 def _install_reuse_probes() -> None:
-    """Wrap `disagg.transfer_from` (context worker, when it learns the hit) and `disagg.admit_transfer`
+    """Wrap `disagg.transfer_plan` (context worker, when it learns the hit) and `disagg.finish_admission`
     (generation worker, after admission) once per process; they record only for an executor carrying a
     `reuse_probe` dict, so ranks kept across runs are not disturbed."""
     from draftkv_sim import disagg_transfer as disagg
 
-    if getattr(disagg.transfer_from, "reuse_probe", False):
+    if getattr(disagg.transfer_plan, "reuse_probe", False):
         return
-    transfer_from, admit_transfer = disagg.transfer_from, disagg.admit_transfer
+    transfer_plan, finish_admission = disagg.transfer_plan, disagg.finish_admission
 
     def recording_transfer(req, ex, hit=None):
         probe = getattr(ex, "reuse_probe", None)
@@ -140,10 +147,11 @@ def _install_reuse_probes() -> None:
                 hit.tokens, hit.drafter_tokens,
                 _adopted_digests(ex, req.py_request_id, req.prompt_len, hit.tokens, hit.drafter_tokens),
             )
-        return transfer_from(req, ex, hit)
+        return transfer_plan(req, ex, hit)
 
-    def recording_admit(item, ex):
-        req = admit_transfer(item, ex)
+    def recording_admit(admission, ex, **kwargs):
+        req = finish_admission(admission, ex, **kwargs)
+        item = admission.item
         probe = getattr(ex, "reuse_probe", None)
         if probe is not None:
             digests = _adopted_digests(ex, item.request_id, item.prompt_len, item.gen_reused_tokens,
@@ -152,7 +160,7 @@ def _install_reuse_probes() -> None:
         return req
 
     recording_transfer.reuse_probe = True
-    disagg.transfer_from, disagg.admit_transfer = recording_transfer, recording_admit
+    disagg.transfer_plan, disagg.finish_admission = recording_transfer, recording_admit
 
 
 def reuse_probe_rank(rank: int, **build):
