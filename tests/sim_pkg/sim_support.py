@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from draftkv_sim import SimSetup, phrase_stream
 
 # Chunk 512, windows 256/256, 16-token pages, 64 new tokens: each simulator run takes a fraction of a second.
@@ -175,4 +177,73 @@ def reuse_probe_rank(rank: int, **build):
     executor = _build_rank(rank, **build)
     executor.reuse_probe = probe = {}
     _attach_to_stats(executor, "reuse_probe", probe)
+    return executor
+
+
+def _pool_digest(executor) -> str:
+    """One digest over every layer of every pool of both managers (the bytes as they are)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for manager in (executor.target_manager, executor.draft_manager):
+        for group in manager.layer_groups if manager is not None else ():
+            for layer in group.pool.layers:
+                h.update(layer.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def random_pools_rank(rank: int, **build):
+    """A disaggregated rank whose pools start with fresh random contents (seeded by rank, never zeros); the
+    generation worker records a digest of all its pools after each request's transfer landed and was admitted
+    (`pool_digests` on its stats: request id -> digest). Module-level so a spawned rank can unpickle it."""
+    from draftkv_sim import disagg_transfer
+    from draftkv_sim.run_build import build_rank as _build_rank
+
+    executor = _build_rank(rank, **build)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    for manager in (executor.target_manager, executor.draft_manager):
+        for group in manager.layer_groups if manager is not None else ():
+            for layer in group.pool.layers:
+                layer.copy_(torch.rand(layer.shape, generator=gen, dtype=torch.float64).to(layer.dtype) + 1.0)
+    digests: dict = {}
+    _attach_to_stats(executor, "pool_digests", digests)
+    if rank == 1:
+        finish = disagg_transfer.finish_admission
+
+        def recording_finish(admission, ex, **kwargs):
+            req = finish(admission, ex, **kwargs)
+            if ex is executor:
+                digests[req.py_request_id] = _pool_digest(ex)
+            return req
+
+        disagg_transfer.finish_admission = recording_finish
+    return executor
+
+
+def faulty_transfer_rank(rank: int, fault: str, request_id: int, timeout_s: float, **build):
+    """A disaggregated rank with one fault injected: rank 0's agent posts request `request_id`'s transfer
+    without its notification (`drop_sync`) or with a destination outside the peer's registered memory
+    (`bad_desc`); rank 1 waits `timeout_s` for a transfer. Module-level so a spawned rank can unpickle it."""
+    from dataclasses import replace as _replace
+
+    from draftkv_sim.run_build import build_rank as _build_rank
+    from tensorrt_llm_draftkv.transfer import MemoryDescs, NixlTransferAgent, TorchWireAgent
+
+    executor = _build_rank(rank, **build)
+    executor.transfer_timeout_s = timeout_s
+    if rank == 0:
+        target = f"request {request_id}".encode()
+        for cls in (NixlTransferAgent, TorchWireAgent):
+            submit = cls.submit_transfer_requests
+
+            def faulty(self, request, _submit=submit):
+                if request.sync_message == target and fault == "drop_sync":
+                    request = _replace(request, sync_message=b"")
+                elif request.sync_message == target and fault == "bad_desc":
+                    dst = request.dst_descs.descs.copy()
+                    dst[0, 0] += 1 << 44  # far past anything the peer registered
+                    request = _replace(request, dst_descs=MemoryDescs(request.dst_descs.type, dst))
+                return _submit(self, request)
+
+            cls.submit_transfer_requests = faulty
     return executor
