@@ -213,6 +213,11 @@ class SimSetup:
             raise ScenarioError("handoff_form", f"must be kv or hidden, got {self.handoff_form!r}")
         parse_block_reuse(self.block_reuse)
         parse_transport(self.transport)
+        if self.transport == "nixl":
+            from tensorrt_llm_draftkv.transfer import nixl_agent
+
+            if (why := nixl_agent.nixl_unavailable()) is not None:
+                raise ScenarioError("transport", f"nixl cannot run here: {why}")
         for name, minimum in self._MINIMUMS.items():
             _int(getattr(self, name), name, minimum)
         problem = tokens_per_block_problem(self.tokens_per_block)  # the package's one page rule
