@@ -195,7 +195,8 @@ class RankPool:
         self.jobs = [ctx.Queue() for _ in range(2)]
         port = free_port()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, port, self.backend, self.transport, self.jobs[r], self.queue)) for r in range(2)
+            ctx.Process(target=_worker, args=(r, port, self.backend, self.transport, self.jobs[r], self.queue))
+            for r in range(2)
         ]
         for p in self.procs:
             p.start()
@@ -273,7 +274,8 @@ def run_disaggregated(
     """Run both ranks in child processes; returns the generation rank's result.
 
     `pool`: ranks kept across runs (see `RankPool`); without one, two ranks are
-    spawned for this run alone, with `transport` (`auto`, `nixl` or `torch`). `progress(rank, steps, finished, foreign)` is called
+    spawned for this run alone, with `transport` (`auto`, `nixl` or `torch`).
+    `progress(rank, steps, finished, foreign)` is called
     here, in the parent, after every step either rank runs.
     """
     if pool is not None:

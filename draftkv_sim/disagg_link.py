@@ -133,7 +133,8 @@ def send_request(link: PageLink, req: LlmRequest, executor) -> bool:
                            f"request {req.py_request_id}")
     if not hs.accepted:
         return False
-    item = disagg_transfer.transfer_plan(req, executor, GenHit(hs.request_id, hs.gen_reused_tokens, hs.gen_drafter_reused))
+    hit = GenHit(hs.request_id, hs.gen_reused_tokens, hs.gen_drafter_reused)
+    item = disagg_transfer.transfer_plan(req, executor, hit)
     if not hs.drafter_context:
         item.drafter_geometry = None  # the generation worker drops it: send the drafts only
     check_handshake(item, hs)
@@ -263,5 +264,6 @@ def admit_next(link: PageLink, executor, dead: bool) -> tuple[bool, bool]:
     return True, dead
 
 
-__all__ = ["admit_next", "TRANSPORTS", "TRANSFER_TIMEOUT_S", "PageLink", "agent_transport", "TransferError", "decline", "land_request",
-           "make_agent", "open_admission", "recv_offer", "resolve_transport", "send_request", "sync_message"]
+__all__ = ["TRANSPORTS", "TRANSFER_TIMEOUT_S", "PageLink", "TransferError", "admit_next", "agent_transport",
+           "decline", "land_request", "make_agent", "open_admission", "recv_offer", "resolve_transport",
+           "send_request", "sync_message"]

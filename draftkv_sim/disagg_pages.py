@@ -58,9 +58,9 @@ class PageHandshake:
     draft_pages: tuple[np.ndarray, ...] = ()
 
     def to_wire(self) -> np.ndarray:
-        head = [self.request_id, int(self.accepted), int(self.drafter_context), self.gen_reused_tokens, self.gen_drafter_reused,
-                self.aux_slot, len(self.target_lo), len(self.draft_lo), *self.target_lo, *self.draft_lo,
-                *(len(p) for p in (*self.target_pages, *self.draft_pages))]
+        head = [self.request_id, int(self.accepted), int(self.drafter_context), self.gen_reused_tokens,
+                self.gen_drafter_reused, self.aux_slot, len(self.target_lo), len(self.draft_lo), *self.target_lo,
+                *self.draft_lo, *(len(p) for p in (*self.target_pages, *self.draft_pages))]
         return np.concatenate([np.array(head, dtype=np.int64), *self.target_pages, *self.draft_pages])
 
     @classmethod
@@ -76,8 +76,8 @@ class PageHandshake:
         for c in counts:
             pages.append(np.asarray(ints[pos : pos + c], dtype=np.int64))
             pos += c
-        return cls(rid, bool(accepted), bool(context), reused, drafter_reused, slot, target_lo, tuple(pages[:nt]), draft_lo,
-                   tuple(pages[nt:]))
+        return cls(rid, bool(accepted), bool(context), reused, drafter_reused, slot, target_lo, tuple(pages[:nt]),
+                   draft_lo, tuple(pages[nt:]))
 
 
 def _row_pages(manager, request_id: int, group: int, lo: int, hi: int, what: str) -> np.ndarray:

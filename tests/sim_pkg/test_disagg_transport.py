@@ -17,9 +17,9 @@ import torch
 from draftkv_sim import RunSpec
 from draftkv_sim.disagg import run_disaggregated
 from draftkv_sim.disagg_link import PageLink, admit_next, send_facts
-from draftkv_sim.disagg_pages import ContextFacts, pack_aux, rank_memory
+from draftkv_sim.disagg_pages import ContextFacts, PageHandshake, check_handshake, pack_aux, rank_memory
 from draftkv_sim.disagg_transfer import transfer_from
-from draftkv_sim.disagg_wire import Offer, clipped_ranges
+from draftkv_sim.disagg_wire import Offer, Transfer, clipped_ranges
 from draftkv_sim.run_build import build_rank, run_prompts, target_only_outputs, warmup_tokens
 from draftkv_sim.scenario import prompt_seeds
 from draftkv_sim.simulate import run_one
@@ -184,3 +184,22 @@ def test_the_generation_worker_releases_a_failed_request_and_serves_the_others(e
     keys = list(zip(prompt_seeds(prompts), prompts))
     ref = target_only_outputs(SMALL, keys)
     assert all(ref[keys[rid]] == out for rid, out in stats.outputs.items())
+
+
+def test_the_handshake_round_trips_through_ints():
+    hs = PageHandshake(7, True, True, 64, 32, 0, (10, 0), (np.array([3, 4, 5]), np.array([9])), (40,),
+                       (np.array([1, 2]),))
+    back = PageHandshake.from_wire(hs.to_wire())
+    assert (back.request_id, back.accepted, back.drafter_context, back.gen_reused_tokens, back.gen_drafter_reused,
+            back.aux_slot, back.target_lo, back.draft_lo) == (7, True, True, 64, 32, 0, (10, 0), (40,))
+    assert [p.tolist() for p in back.target_pages] == [[3, 4, 5], [9]]
+    assert [p.tolist() for p in back.draft_pages] == [[1, 2]]
+    declined = PageHandshake.from_wire(PageHandshake(8, False).to_wire())
+    assert not declined.accepted and declined.target_pages == ()
+
+
+def test_a_handshake_for_other_ranges_is_refused_naming_the_request():
+    item = Transfer(5, 100, torch.arange(101), [60], [], [])
+    with pytest.raises(ValueError, match=r"request 5: .*target positions from \(50,\)"):
+        check_handshake(item, PageHandshake(5, True, target_lo=(50,), target_pages=(np.array([1]),)))
+    check_handshake(item, PageHandshake(5, True, target_lo=(60,), target_pages=(np.array([1, 2]),)))
