@@ -19,6 +19,8 @@ setup(
     extras_require={
         "test": ["pytest", "pytest-xdist", "hypothesis", "filelock"],
         "plot": ["matplotlib"],
+        # The disaggregated pair's transfer engine (NIXL over UCX); without it the torch.distributed wire runs.
+        "nixl": ["nixl-cu12==1.5.1"],
     },
     entry_points={"console_scripts": ["draftkv=draftkv_sim.__main__:main"]},
 )

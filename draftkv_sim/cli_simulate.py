@@ -38,6 +38,7 @@ GEOMETRY_FLAGS = {
     "drafter_handoff": "--drafter-handoff",
     "handoff_form": "--handoff-form",
     "block_reuse": "--block-reuse",
+    "transport": "--transport",
 }
 # Setup fields a run may override: a flag for one of them wins over the runs' own values.
 RUN_OVERRIDES = ("draft_window", "max_new_tokens", "drafter_slots")
@@ -112,6 +113,7 @@ drafter_mode = _scenario_type("parse_drafter")
 handoff_mode = _scenario_type("parse_handoff")
 handoff_form = _scenario_type("parse_handoff_form")
 block_reuse_mode = _scenario_type("parse_block_reuse")
+transport_name = _scenario_type("parse_transport")
 
 
 def usage_fail(prog: str, message: str) -> NoReturn:
@@ -242,6 +244,14 @@ def _add_geometry_args(g: argparse._ArgumentGroup, d) -> None:
         "context behind the hit stays empty); or in both pools with the draft mirror adopting the prefix's "
         f"drafter K/V (joint); history sizing only. Over the scenario's runs it replaces the mode of the runs "
         f"that reuse and leaves their twins without reuse as they are (default {d.block_reuse})",
+    )
+    g.add_argument(
+        "--transport",
+        type=transport_name,
+        metavar="{nixl,torch}",
+        help="what moves a disaggregated run's pages between its two workers: NIXL over UCX (nixl, loopback on "
+        "this host) or torch.distributed messages (torch); the JSON records which "
+        f"(default {d.transport}: nixl when it imports, else torch)",
     )
 
 

@@ -3,16 +3,21 @@
 Rank 0 runs every prompt through its own target cache and, when a request's
 first token exists, hands it over: the prompt's tokens, the first token and the
 target K/V that the generation worker's window will read. Rank 1 builds the
-generation-init caches (`prepare_disagg_gen_init` in both pools), writes the
-received K/V into its own pages and decodes with the drafter, whose slots are
-seeded there because the prompt's drafter context was never computed on it.
-The two ranks talk through torch.distributed (gloo on CPU, NCCL when each rank
-has its own GPU). Per request the context worker offers the tokens, the
-generation worker replies with its prefix hit, then the payload follows; an
-offer with request_id -1 ends the stream (`disagg_wire.py` has every field). Each
-rank reports to the parent through one queue: its result (or crash) once, and,
-when the parent asks for progress, `(steps, finished, foreign accesses)` after
-every step it runs, which the parent draws.
+generation-init caches (`prepare_disagg_gen_init` in both pools) first and
+answers with the pages they hold (the page handshake); rank 0 then writes its
+own pages onto them in one transfer, through a transfer agent: NIXL over UCX
+(`transport="nixl"`, the default when it imports) or torch.distributed
+messages (`"torch"`). Rank 1 admits the request when the transfer's
+notification arrives, and decodes with the drafter, whose slots are seeded
+there because the prompt's drafter context was never computed on it. The
+control messages (offer, handshake, end of stream: `disagg_wire.py`) go through
+torch.distributed (gloo on CPU, NCCL when each rank has its own GPU); the
+pages and the auxiliary bytes through the agent (`disagg_link.py`,
+`disagg_pages.py`). A transfer that fails, times out or whose peer is gone
+costs that request only: rank 1 releases what it allocated and records why
+(`stats.transfer_failures`). Each rank reports to the parent through one queue:
+its result (or crash) once, and, when the parent asks for progress, `(steps,
+finished, foreign accesses)` after every step it runs, which the parent draws.
 
 With the drafter-context handoff (`drafter_handoff="window"`, the default under
 `history` sizing) the context worker runs the drafter's context stores too and
@@ -33,10 +38,10 @@ pools are built with it):
   (`reused_tokens`). Without joint reuse its drafter computed only
   `[reused_tokens, m)`, so the drafter context starts there (`drafter_lo`);
   under `joint` its mirror reads the prefix's drafter K/V from shared pages.
-- **Generation worker.** Before the payload, the context worker offers the
+- **Generation worker.** Before any page moves, the context worker offers the
   request's tokens and the generation worker answers with the prefix its own
   pools published for earlier requests (`find_gen_init_hit`, taken at the
-  prompt end). The payload then carries target K/V only from
+  prompt end) inside its handshake. The transfer then carries target K/V only from
   `max(window start, hit)` per group, and, under `joint`, drafter context only
   from the hit (its draft pool adopts the same pages); under `target` the
   drafter context is sent as before (its draft pool does not reuse). The
@@ -44,8 +49,8 @@ pools are built with it):
   against the tokens, and once everything is written the prompt's whole pages
   are published (`publish_gen_init`) for later requests.
 
-The messages and what each worker does with them are disagg_transfer.py's; this
-module runs the two rank processes and drives them.
+What each worker does with a request is disagg_transfer.py's; this module runs
+the two rank processes and drives them.
 """
 from __future__ import annotations
 
@@ -57,10 +62,9 @@ import torch
 import torch.distributed as dist
 
 from tensorrt_llm_draftkv.request import LlmRequest
-from tensorrt_llm_draftkv.speculative.handoff import DrafterContextMismatch
-from . import disagg_transfer
-from .disagg_transfer import generation_hit, hand_over
-from .disagg_wire import Channel, GenHit, free_port
+from tensorrt_llm_draftkv.transfer import TransferError
+from .disagg_link import PageLink, admit_next, agent_transport, make_agent, resolve_transport, send_request
+from .disagg_wire import Channel, free_port
 
 
 class RankProgress(Protocol):
@@ -78,7 +82,8 @@ def foreign_accesses(executor) -> int:
     return int(getattr(executor.speculator, "foreign_page_accesses", 0) or 0)
 
 
-def _run_job(rank: int, build: Callable[[int], Any], prompts: list[torch.Tensor], progress: bool, queue) -> None:
+def _run_job(rank: int, agent, build: Callable[[int], Any], prompts: list[torch.Tensor], progress: bool,
+             queue) -> None:
     """One run on one rank: messages `(rank, "progress", (steps, finished, foreign))` after each
     step when `progress`, then `(rank, "result", value)` once (`{"crash": traceback}` on an error)."""
     try:
@@ -88,46 +93,51 @@ def _run_job(rank: int, build: Callable[[int], Any], prompts: list[torch.Tensor]
             def report(ex) -> None:
                 queue.put((rank, "progress", (ex.stats.steps, ex.stats.finished, foreign_accesses(ex))))
         if rank == 0:
-            queue.put((rank, "result", _context_rank(result, prompts, report)))
+            queue.put((rank, "result", _context_rank(result, agent, prompts, report)))
         else:
-            queue.put((rank, "result", _generation_rank(result, report)))
+            queue.put((rank, "result", _generation_rank(result, agent, report)))
     except BaseException:  # report, never hang the parent
         queue.put((rank, "result", {"crash": traceback.format_exc()}))
 
 
-def _worker(rank: int, port: int, backend: str, jobs, queue) -> None:
-    """One rank process: joins the group once, then runs every job the parent sends until None."""
+def _worker(rank: int, port: int, backend: str, transport: str, jobs, queue) -> None:
+    """One rank process: joins the group and builds its transfer agent once, then runs every job the
+    parent sends until None."""
+    agent = None
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        agent = make_agent(transport, rank, str(port))
         while (job := jobs.get()) is not None:
-            _run_job(rank, *job, queue)
+            _run_job(rank, agent, *job, queue)
     except BaseException:  # report, never hang the parent
         queue.put((rank, "result", {"crash": traceback.format_exc()}))
     finally:
+        if agent is not None:
+            agent.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _wire(executor, backend: str) -> Channel:
+def _link(executor, agent) -> PageLink:
+    backend = dist.get_backend()
     device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
-    return Channel(
-        peer=1 - dist.get_rank(),
-        wire_device=device,
-        dim=executor.target_model.config.dim,
-        dtype=executor.target_manager.config.dtype,
-    )
+    channel = Channel(peer=1 - dist.get_rank(), wire_device=device)
+    return PageLink.connect(agent, channel, executor, dist.get_rank())
 
 
-def _context_rank(executor, prompts: list[torch.Tensor], report: Callable[[Any], None] | None = None):
+def _context_rank(executor, agent, prompts: list[torch.Tensor], report: Callable[[Any], None] | None = None):
     """The context worker's run; returns its `RunStats` (outputs dropped: only the first tokens)."""
-    channel = _wire(executor, dist.get_backend())
+    link = _link(executor, agent)
     midway: list[int] = []  # a request whose round trip an error cut short: the stream cannot be ended cleanly
 
     def on_complete(req: LlmRequest, ex) -> None:
         midway.append(req.py_request_id)
-        hand_over(channel, req, ex)
+        try:
+            send_request(link, req, ex)
+        except TransferError as err:  # the generation worker times out on it and releases it
+            ex.stats.transfer_failures[req.py_request_id] = str(err).splitlines()[0]
         midway.pop()
 
     executor.on_complete = on_complete
@@ -137,47 +147,35 @@ def _context_rank(executor, prompts: list[torch.Tensor], report: Callable[[Any],
         stats = executor.run(progress=None if report is None else lambda steps, finished: report(executor))
     finally:
         if not midway:
-            channel.send_offer(None)  # the end of the stream
+            link.channel.send_offer(None)  # the end of the stream
+        link.close()
     stats.outputs = {}
     stats.draft_pool_occupancy = []
+    stats.transport = agent_transport(agent)
+    stats.transfer_bytes, stats.transfer_pages = link.bytes_moved, link.pages_moved
     return stats
 
 
-def _generation_rank(executor, report: Callable[[Any], None] | None = None):
-    channel = _wire(executor, dist.get_backend())
+def _generation_rank(executor, agent, report: Callable[[Any], None] | None = None):
+    link = _link(executor, agent)
     limit = executor.scheduler.config.max_num_requests
     pending, dead = True, False
-    from tensorrt_llm_draftkv.manager import KVCacheResizeError
-    from tensorrt_llm_draftkv.manager.admission import AdmissionRefused
-
-    while pending or (executor.scheduler.has_work() and not dead):
-        while pending and (dead or len(executor.scheduler.active) < limit):
-            offer = channel.recv_offer()
-            if offer is None:
-                pending = False
+    try:
+        while pending or (executor.scheduler.has_work() and not dead):
+            while pending and (dead or len(executor.scheduler.active) < limit):
+                pending, dead = admit_next(link, executor, dead)
+            if dead or not executor.scheduler.has_work():
                 continue
-            # The round trip: answer with this worker's hit and read the payload at once (nothing in
-            # between changes the pools, so the hit still holds when the caches adopt it).
-            channel.send_reply(GenHit(offer.request_id) if dead else generation_hit(offer, executor))
-            item = channel.recv(offer)
-            if not dead:
-                try:
-                    disagg_transfer.admit_transfer(item, executor)  # looked up here: tests wrap it
-                except (AdmissionRefused, DrafterContextMismatch) as err:
-                    executor.refuse(err)  # this request never runs; the others go on
-                except KVCacheResizeError as err:
-                    # The executor dies here; keep draining so the context worker can finish.
-                    executor.stats.resize_failures += 1
-                    executor.stats.first_error = executor.stats.first_error or str(err).splitlines()[0]
-                    dead = True
-        if dead or not executor.scheduler.has_work():
-            continue
-        before = executor.stats.resize_failures
-        executor.run_steps(1)
-        dead = executor.stats.resize_failures > before
-        if report is not None and not dead:
-            report(executor)
-    return executor.finish()
+            before = executor.stats.resize_failures
+            executor.run_steps(1)
+            dead = executor.stats.resize_failures > before
+            if report is not None and not dead:
+                report(executor)
+    finally:
+        link.close()
+    stats = executor.finish()
+    stats.transport = agent_transport(agent)
+    return stats
 
 
 class RankPool:
@@ -187,16 +185,18 @@ class RankPool:
     disaggregated runs pays it once. `run` is one run; `close` ends the ranks.
     """
 
-    def __init__(self, backend: str | None = None) -> None:
+    def __init__(self, backend: str | None = None, transport: str = "auto") -> None:
         import torch.multiprocessing as mp
 
         self.backend = backend or ("nccl" if torch.cuda.device_count() >= 2 else "gloo")
+        self.transport = resolve_transport(transport)  # an engine that cannot import fails here, not in a rank
         ctx = mp.get_context("spawn")
         self.queue = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(2)]
         port = free_port()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, port, self.backend, self.jobs[r], self.queue)) for r in range(2)
+            ctx.Process(target=_worker, args=(r, port, self.backend, self.transport, self.jobs[r], self.queue))
+            for r in range(2)
         ]
         for p in self.procs:
             p.start()
@@ -269,14 +269,16 @@ def run_disaggregated(
     backend: str | None = None,
     progress: RankProgress | None = None,
     pool: RankPool | None = None,
+    transport: str = "auto",
 ):
     """Run both ranks in child processes; returns the generation rank's result.
 
     `pool`: ranks kept across runs (see `RankPool`); without one, two ranks are
-    spawned for this run alone. `progress(rank, steps, finished, foreign)` is called
+    spawned for this run alone, with `transport` (`auto`, `nixl` or `torch`).
+    `progress(rank, steps, finished, foreign)` is called
     here, in the parent, after every step either rank runs.
     """
     if pool is not None:
         return pool.run(build, prompts, progress)
-    with RankPool(backend) as own:
+    with RankPool(backend, transport) as own:
         return own.run(build, prompts, progress)

@@ -1,13 +1,17 @@
-"""What crosses the wire between the disaggregated workers, request by request, and what each does with it.
+"""What a request carries between the disaggregated workers, and what each does with it.
 
-The context worker builds a request's `Offer` (its prompt and first token) and,
-once the generation worker answered with its prefix hit (`generation_hit`), the
-`Transfer` (`transfer_from`: target K/V of `transfer_range`, and the drafter
-context under the handoff); `hand_over` is that round trip. The generation
-worker admits a received transfer (`admit_transfer`): the generation-init
-caches, the written K/V, the drafter's first slot. Positions are absolute token
-positions of the request (`[lo, prompt_len)` ranges); pages are the receiving
-worker's own. disagg.py runs the two workers.
+The context worker builds a request's `Offer` (its prompt and first token) and
+its `Transfer` for the generation worker's hit (`transfer_plan`: ranges,
+drafts, drafter geometry; `transfer_from` adds the K/V and drafter context as
+tensors, for in-process use). The generation worker admits a request in two
+steps around the bytes' arrival: `begin_admission` (checks, both
+generation-init caches) and `finish_admission` (the drafter's first slot, the
+target K/V unless a transfer engine already wrote it, publishing);
+`release_admission` undoes the first when the bytes never come;
+`admit_transfer` is both with a whole `Transfer` in hand. Positions are
+absolute token positions of the request (`[lo, prompt_len)` ranges); pages are
+the receiving worker's own. disagg_link.py moves the bytes, disagg.py runs the
+two workers.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import torch
 from tensorrt_llm_draftkv.manager.gen_init_reuse import receive_start
 from tensorrt_llm_draftkv.request import LlmRequest, LlmRequestState
 from tensorrt_llm_draftkv.speculative.handoff import DrafterContextMismatch, DrafterHandoff, HandoffForm
-from .disagg_wire import Channel, GenHit, Offer, Transfer, payload_bytes
+from .disagg_wire import GenHit, Offer, Transfer, payload_bytes
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,25 @@ def generation_hit(offer: Offer, executor) -> GenHit:
     return GenHit(offer.request_id, hit, hit if joint else 0)
 
 
+def transfer_plan(req: LlmRequest, executor, hit: GenHit | None = None) -> Transfer:
+    """What the context worker sends for a request, without the K/V tensors: the ranges, the drafts, the
+    drafter context's geometry and floor (the page path writes the pages themselves)."""
+    hit = hit or GenHit(req.py_request_id)
+    rid, m = req.py_request_id, req.prompt_len
+    group_lo = [receive_start(g.life_cycle.window, m, hit.tokens) for g in executor.target_manager.layer_groups]
+    tokens = torch.tensor(req.tokens[: m + 1], dtype=torch.long)
+    item = Transfer(rid, m, tokens, group_lo, [], [], reused_tokens=req.prepopulated_prompt_len,
+                    gen_reused_tokens=hit.tokens, gen_drafter_reused=hit.drafter_tokens)
+    settings = handoff_settings(executor)
+    if settings.mode is DrafterHandoff.WINDOW:
+        item.drafter_geometry = executor.speculator.handoff_geometry(settings.form)
+        # Without joint reuse the drafter computed only [reused_tokens, m): nothing below it exists to send.
+        if not getattr(executor.draft_manager, "block_reuse", False):
+            item.drafter_lo = req.prepopulated_prompt_len
+        item.drafts = [int(t) for t in (req.py_draft_tokens or [])]
+    return item
+
+
 def transfer_from(req: LlmRequest, executor, hit: GenHit | None = None) -> Transfer:
     """What the context worker sends for a request whose first token exists (pages still held).
 
@@ -95,38 +118,16 @@ def transfer_from(req: LlmRequest, executor, hit: GenHit | None = None) -> Trans
     `window`: also its drafter context (`DFlashSpeculator.export_context`) and the
     drafts it proposed with the first token.
     """
-    hit = hit or GenHit(req.py_request_id)
-    model = executor.target_model
-    rid, m = req.py_request_id, req.prompt_len
-    group_lo, keys, values = [], [], []
-    for g, group in enumerate(executor.target_manager.layer_groups):
-        lo = receive_start(group.life_cycle.window, m, hit.tokens)
-        k, v = model.read_kv(rid, lo, m, g)
-        group_lo.append(lo)
-        keys.append(k)
-        values.append(v)
-    tokens = torch.tensor(req.tokens[: m + 1], dtype=torch.long)
-    item = Transfer(rid, m, tokens, group_lo, keys, values, reused_tokens=req.prepopulated_prompt_len,
-                    gen_reused_tokens=hit.tokens, gen_drafter_reused=hit.drafter_tokens)
-    settings = handoff_settings(executor)
-    if settings.mode is DrafterHandoff.WINDOW:
-        speculator = executor.speculator
-        geometry = speculator.handoff_geometry(settings.form)
-        item.drafter_geometry = geometry
-        # Without joint reuse the drafter computed only [reused_tokens, m): nothing below it exists to send.
-        if not getattr(executor.draft_manager, "block_reuse", False):
-            item.drafter_lo = req.prepopulated_prompt_len
-        payload = speculator.export_context(req, executor.tokens[rid], geometry, floor=item.drafter_floor)
+    item = transfer_plan(req, executor, hit)
+    for g, lo in enumerate(item.group_lo):
+        k, v = executor.target_model.read_kv(item.request_id, lo, item.prompt_len, g)
+        item.keys.append(k)
+        item.values.append(v)
+    if item.drafter_geometry is not None:
+        payload = executor.speculator.export_context(req, executor.tokens[item.request_id], item.drafter_geometry,
+                                                     floor=item.drafter_floor)
         item.drafter_payload = [t.cpu() for t in payload]
-        item.drafts = [int(t) for t in (req.py_draft_tokens or [])]
     return item
-
-
-def hand_over(channel: Channel, req: LlmRequest, executor) -> None:
-    """Context worker, a request's first token exists: offer it, learn the generation worker's hit, send."""
-    channel.send_offer(offer_for(req))
-    hit = channel.recv_reply(req.py_request_id)
-    channel.send(transfer_from(req, executor, hit))
 
 
 def _accepted_context(item: Transfer, executor, settings: HandoffSettings) -> bool:
@@ -150,39 +151,76 @@ def _accepted_context(item: Transfer, executor, settings: HandoffSettings) -> bo
     return True
 
 
-def _prepare(item: Transfer, executor, req: LlmRequest, take_context: bool) -> None:
-    """Both generation-init caches (adopting the announced hits), the adopted pages checked, the drafter
-    context written and its slot seeded. All or nothing: on any error every cache and the slot are freed."""
-    tm, dm, speculator = executor.target_manager, executor.draft_manager, executor.speculator
+@dataclass
+class Admission:
+    """A request the generation worker has built both generation-init caches for (`begin_admission`),
+    waiting for its bytes; `finish_admission` makes it decode, `release_admission` gives everything back."""
+
+    item: Transfer
+    req: LlmRequest
+    settings: HandoffSettings
+    take_context: bool
+
+
+def begin_admission(item: Transfer, executor) -> Admission:
+    """Generation worker, before any byte of the request arrives: check it, build both generation-init caches
+    (adopting the announced hits). Needs only `item`'s header fields (tokens, ranges, geometry, hits).
+
+    All or nothing: a refused drafter context (`DrafterContextMismatch`) or an admission refusal allocates
+    nothing; a pool that cannot hold it raises the manager's refusal with nothing left behind.
+    """
+    settings = handoff_settings(executor)
+    take_context = _accepted_context(item, executor, settings)
+    req = LlmRequest(
+        item.request_id,
+        prompt_len=item.prompt_len,
+        tokens=item.tokens.cpu().tolist(),
+        state=LlmRequestState.DISAGG_GENERATION_INIT,
+        max_new_tokens=executor.max_new_tokens,
+    )
+    executor.check_admission(req)
+    tm, dm = executor.target_manager, executor.draft_manager
     if not tm.prepare_disagg_gen_init(req, reused_tokens=item.gen_reused_tokens):
         raise tm.last_refusal  # False: the pool cannot hold it, and nothing was left behind
-    try:
-        if dm is not None and not dm.prepare_disagg_gen_init(req, reused_tokens=item.gen_drafter_reused):
-            raise dm.last_refusal
-        if item.gen_reused_tokens:  # the adopted target pages hold this prompt's K/V (else an error)
-            executor.stats.gen_reused_positions_checked += executor.target_model.check_reused(
-                req.py_request_id, item.tokens, item.gen_reused_tokens)
-        if take_context:
-            speculator.import_context(req.py_request_id, item.prompt_len, item.drafter_geometry,
-                                      item.drafter_payload, floor=item.drafter_floor, seed_floor=item.drafter_lo)
-            if item.gen_drafter_reused:
-                speculator.check_adopted_context(req.py_request_id, item.tokens, item.prompt_len, item.drafter_lo,
-                                                 item.gen_drafter_reused, item.drafter_geometry)
-    except Exception:
-        tm.free_resources(req)
-        if dm is not None and dm.has_cache(req.py_request_id):
-            dm.free_resources(req)
-        if speculator is not None:
-            speculator.release(req.py_request_id)  # a pending seed, what the checker saw written
-        raise
+    admission = Admission(item, req, settings, take_context)
+    if dm is not None and not dm.prepare_disagg_gen_init(req, reused_tokens=item.gen_drafter_reused):
+        release_admission(admission, executor)
+        raise dm.last_refusal
+    return admission
+
+
+def release_admission(admission: Admission, executor) -> None:
+    """Give back everything `begin_admission` (and a failed `finish_admission`) took: both caches, the slot."""
+    req, dm, speculator = admission.req, executor.draft_manager, executor.speculator
+    if executor.target_manager.has_cache(req.py_request_id):
+        executor.target_manager.free_resources(req)
+    if dm is not None and dm.has_cache(req.py_request_id):
+        dm.free_resources(req)
+    if speculator is not None:
+        speculator.release(req.py_request_id)  # a pending seed, what the checker saw written
+
+
+def _seed(admission: Admission, executor) -> None:
+    """The adopted pages checked, the drafter context written through the checked store, its slot seeded."""
+    item, req, speculator = admission.item, admission.req, executor.speculator
+    if item.gen_reused_tokens:  # the adopted target pages hold this prompt's K/V (else an error)
+        executor.stats.gen_reused_positions_checked += executor.target_model.check_reused(
+            req.py_request_id, item.tokens, item.gen_reused_tokens)
+    if admission.take_context:
+        speculator.import_context(req.py_request_id, item.prompt_len, item.drafter_geometry,
+                                  item.drafter_payload, floor=item.drafter_floor, seed_floor=item.drafter_lo)
+        if item.gen_drafter_reused:
+            speculator.check_adopted_context(req.py_request_id, item.tokens, item.prompt_len, item.drafter_lo,
+                                             item.gen_drafter_reused, item.drafter_geometry)
 
 
 def _count_bytes(item: Transfer, executor, req: LlmRequest, settings: HandoffSettings, take_context: bool) -> None:
-    """The handoff's bytes on the wire, and what the same payload would have cost without the round trip."""
+    """The handoff's bytes (target K/V of one layer per group and the drafter context, as the rows the
+    generation worker reads), and what the same payload would have cost without the round trip."""
     stats, m = executor.stats, item.prompt_len
     row = executor.target_model.config.dim * 2 * executor.target_manager.config.dtype.itemsize  # K + V
     without = sum((m - transfer_range(m, g.life_cycle.window)[0]) * row for g in executor.target_manager.layer_groups)
-    sent = item.target_bytes
+    sent = sum((m - lo) * row for lo in item.group_lo)
     if hasattr(executor.speculator, "handoff_geometry") and executor.draft_manager is not None:
         own = executor.speculator.handoff_geometry(settings.form)
         full = own.payload_bytes(m, whole_prompt=True)
@@ -197,28 +235,21 @@ def _count_bytes(item: Transfer, executor, req: LlmRequest, settings: HandoffSet
     stats.handoff_bytes_without_gen_reuse += without
 
 
-def admit_transfer(item: Transfer, executor) -> LlmRequest:
-    """Generation worker: build both generation-init caches, write the received K/V and drafter context.
+def finish_admission(admission: Admission, executor, *, target_written: bool = False) -> LlmRequest:
+    """Generation worker, every byte of the request received: seed the drafter, write the target K/V (unless
+    the transfer engine already put it on the pages, `target_written`), publish, and start decoding.
 
-    With a generation-worker hit (`item.gen_reused_tokens`, answered in the round
-    trip) the caches adopt it first; afterwards the prompt's whole pages are
-    published (`publish_gen_init`). All or nothing: a refused drafter context
-    (`DrafterContextMismatch`) or an admission refusal allocates nothing; a
-    failure after the caches exist frees them.
+    On an error everything `begin_admission` took is given back before it propagates.
     """
-    settings = handoff_settings(executor)
-    take_context = _accepted_context(item, executor, settings)
-    req = LlmRequest(
-        item.request_id,
-        prompt_len=item.prompt_len,
-        tokens=item.tokens.cpu().tolist(),
-        state=LlmRequestState.DISAGG_GENERATION_INIT,
-        max_new_tokens=executor.max_new_tokens,
-    )
-    executor.check_admission(req)
-    _prepare(item, executor, req, take_context)
-    for g, (lo, k, v) in enumerate(zip(item.group_lo, item.keys, item.values)):
-        executor.target_model.write_kv_values(req.py_request_id, lo, k, v, groups=[g])
+    item, req, settings, take_context = admission.item, admission.req, admission.settings, admission.take_context
+    try:
+        _seed(admission, executor)
+        if not target_written:
+            for g, (lo, k, v) in enumerate(zip(item.group_lo, item.keys, item.values)):
+                executor.target_model.write_kv_values(req.py_request_id, lo, k, v, groups=[g])
+    except Exception:
+        release_admission(admission, executor)
+        raise
     executor.target_manager.publish_gen_init(req)
     if take_context and executor.draft_manager is not None:
         executor.draft_manager.publish_gen_init(req, written_from=item.drafter_floor)
@@ -231,3 +262,16 @@ def admit_transfer(item: Transfer, executor) -> LlmRequest:
     req.state = LlmRequestState.GENERATION_IN_PROGRESS  # the transfer is complete: it decodes now
     executor.add_generation_request(req, item.tokens)
     return req
+
+
+def admit_transfer(item: Transfer, executor) -> LlmRequest:
+    """Generation worker, a whole `Transfer` in hand: build both generation-init caches, write the received
+    K/V and drafter context (`begin_admission`, then `finish_admission`).
+
+    With a generation-worker hit (`item.gen_reused_tokens`, answered in the round
+    trip) the caches adopt it first; afterwards the prompt's whole pages are
+    published (`publish_gen_init`). All or nothing: a refused drafter context
+    (`DrafterContextMismatch`) or an admission refusal allocates nothing; a
+    failure after the caches exist frees them.
+    """
+    return finish_admission(begin_admission(item, executor), executor)

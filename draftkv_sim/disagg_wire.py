@@ -1,38 +1,34 @@
-"""The 1P1D wire: what the context worker (rank 0) and the generation worker (rank 1) exchange per request.
+"""The 1P1D control wire: what the context worker (rank 0) and the generation worker (rank 1) say per request.
 
 Coordinates: absolute token positions; `m` is the prompt length. Every message
 is int64 unless said otherwise, sent with torch.distributed point-to-point
-calls (gloo on CPU, NCCL with a GPU per rank) on the wire device.
+calls (gloo on CPU, NCCL with a GPU per rank) on the wire device. The bytes
+themselves (target K/V pages, drafter-context pages, the auxiliary slot) move
+through a transfer agent (`tensorrt_llm_draftkv.transfer`, NIXL or this same
+torch.distributed group); disagg_pages.py has the page handshake.
 
-Per request, three messages, always in this order (the round trip):
+Once per run each rank sends its agent descriptor and its registered memory
+(`send_bytes` / `send_array`), rank 0 first. Then per request, in this order:
 
 1. **Offer** (rank 0 -> 1): `[request_id, prompt_len, num_tokens]`, then the
    `num_tokens = m + 1` token ids (the prompt and the first token). A header
-   with request_id -1 (and nothing after it) ends the stream.
-2. **Reply** (rank 1 -> 0): `[request_id, gen_reused_tokens, gen_drafter_reused]`:
-   the prefix the generation worker's pools will adopt for this request
-   (`find_gen_init_hit`, whole pages; 0 without block reuse there) and the part
-   of it its draft pool adopts too (the same hit under joint reuse, else 0).
-   The generation worker answers before it receives anything else and does
-   nothing in between, so the hit still holds when the payload arrives.
-3. **Payload** (rank 0 -> 1): a header `[request_id, prompt_len, num_groups,
-   num_drafts, drafter_context, reused_tokens, drafter_lo, drafter_floor,
-   gen_reused_tokens, gen_drafter_reused, lo_0, ..]`, then K and V of positions
-   `[lo_g, m)` for each target layer group g (`lo_g = max(window start,
-   gen_reused_tokens)`), the draft tokens (when num_drafts > 0), then, when
-   drafter_context is 1, the drafter context: its geometry header
-   (`DrafterContextGeometry.to_wire`, version first) and its tensors, shaped by
-   that header and clipped to start at `drafter_floor` or later (form `kv`:
-   `[n_g, layers_g, 2, heads, head_dim]` per draft group; form `hidden`: one
-   `[n, hidden_size]`). `reused_tokens` is the context worker's own prefix hit;
-   `drafter_lo` the lowest position its drafter context holds (its hit without
-   joint reuse, else 0): the generation worker's slot starts there or later;
-   `drafter_floor = max(drafter_lo, gen_drafter_reused)`: what is sent.
-
-Neither rank can deadlock on it: rank 0 runs the round trip from
-`executor.on_complete` and blocks until rank 1 reads; rank 1 reads an offer
-only when it has room for a request (or is draining), then answers and reads
-the payload at once. Both follow the same order, one request at a time.
+   with request_id -1 (and nothing after it) ends the stream. Then the
+   context worker's facts (`disagg_pages.ContextFacts`): its own prefix hit,
+   the lowest position its drafter context holds (`drafter_lo`), and the
+   drafter context's geometry header (`DrafterContextGeometry.to_wire`) or none.
+2. **Handshake** (rank 1 -> 0, `disagg_pages.PageHandshake`): accepted or not;
+   the prefix its pools adopted (`gen_reused_tokens`, whole pages, and the
+   part its draft pool adopts, `gen_drafter_reused`); per target group the
+   first position it reads (`lo_g = max(window start, gen_reused_tokens)`) and
+   its pages for ordinals `lo_g // P .. (m - 1) // P`; per draft group (kv
+   form) the same for the drafter context `[max(group start,
+   drafter_floor), m)`, `drafter_floor = max(drafter_lo, gen_drafter_reused)`;
+   the auxiliary slot. The generation worker builds both generation-init
+   caches before it answers and does nothing in between, so the pages are
+   its own until the transfer lands or fails.
+3. **Transfer** (rank 0 -> 1, through the agent): one WRITE of every page and
+   the auxiliary bytes (drafts; `hidden`-form context), with the sync
+   message `request <id>`. Nothing when the handshake said no.
 """
 from __future__ import annotations
 
@@ -42,13 +38,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from tensorrt_llm_draftkv.speculative.handoff import HEADER_INTS, DrafterContextGeometry, HandoffForm
+from tensorrt_llm_draftkv.speculative.handoff import DrafterContextGeometry, HandoffForm
 
-MAX_GROUPS = 8
 _OFFER = 3
-_REPLY = 3
-_FIXED = 10  # payload header ints before the per-group `lo_g`
-_HEADER = _FIXED + MAX_GROUPS
 
 
 @dataclass(frozen=True)
@@ -153,11 +145,9 @@ def free_port() -> int:
 class Channel:
     """Point-to-point messages between the two ranks; tensors travel on the wire device."""
 
-    def __init__(self, peer: int, wire_device: torch.device, dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, peer: int, wire_device: torch.device) -> None:
         self.peer = peer
         self.wire = wire_device
-        self.dim = dim
-        self.dtype = dtype
 
     def _ints(self, values: list[int]) -> None:
         dist.send(torch.tensor(values, dtype=torch.long).to(self.wire), self.peer)
@@ -184,79 +174,20 @@ class Channel:
         dist.recv(tokens, self.peer)
         return Offer(rid, prompt_len, tokens.cpu())
 
-    # -- step 2 ----------------------------------------------------------------------
-    def send_reply(self, hit: GenHit) -> None:
-        self._ints([hit.request_id, hit.tokens, hit.drafter_tokens])
+    # -- variable-length messages -------------------------------------------------------
+    def send_array(self, values) -> None:
+        """An int64 array of any length (its length first)."""
+        t = torch.as_tensor(values, dtype=torch.long).reshape(-1)
+        self._ints([t.numel()])
+        if t.numel():
+            dist.send(t.to(self.wire).contiguous(), self.peer)
 
-    def recv_reply(self, request_id: int) -> GenHit:
-        rid, tokens, drafter_tokens = self._recv_ints(_REPLY)
-        if rid != request_id:
-            raise RuntimeError(f"the generation worker answered for request {rid}, expected request {request_id}")
-        return GenHit(rid, tokens, drafter_tokens)
+    def recv_array(self) -> list[int]:
+        (n,) = self._recv_ints(1)
+        return self._recv_ints(n) if n else []
 
-    # -- step 3 ----------------------------------------------------------------------
-    def send(self, item: Transfer) -> None:
-        """The payload of an offer already answered (the tokens went with the offer)."""
-        header = torch.full((_HEADER,), -1, dtype=torch.long)
-        header[:_FIXED] = torch.tensor([
-            item.request_id, item.prompt_len, len(item.group_lo), len(item.drafts),
-            int(item.drafter_geometry is not None), item.reused_tokens, item.drafter_lo, item.drafter_floor,
-            item.gen_reused_tokens, item.gen_drafter_reused,
-        ])
-        header[_FIXED : _FIXED + len(item.group_lo)] = torch.tensor(item.group_lo)
-        dist.send(header.to(self.wire), self.peer)
-        for k, v in zip(item.keys, item.values):
-            dist.send(k.to(self.wire, self.dtype).contiguous(), self.peer)
-            dist.send(v.to(self.wire, self.dtype).contiguous(), self.peer)
-        if item.drafts:
-            dist.send(torch.tensor(item.drafts, dtype=torch.long, device=self.wire), self.peer)
-        if item.drafter_geometry is not None:
-            geometry = item.drafter_geometry
-            dist.send(torch.tensor(geometry.to_wire(), dtype=torch.long, device=self.wire), self.peer)
-            shapes = payload_shapes(geometry, item.prompt_len, item.drafter_floor)
-            for t, (shape, dtype) in zip(item.drafter_payload, shapes):
-                if tuple(t.shape) != shape:
-                    raise ValueError(
-                        f"request {item.request_id}: drafter context tensor {tuple(t.shape)}, the header says {shape}"
-                    )
-                dist.send(t.to(self.wire, dtype).contiguous(), self.peer)
+    def send_bytes(self, data: bytes) -> None:
+        self.send_array(list(data))
 
-    def recv(self, offer: Offer) -> Transfer:
-        """The payload that follows `offer` and its reply."""
-        header = self._recv_ints(_HEADER)
-        (rid, prompt_len, num_groups, num_drafts, has_ctx, reused, drafter_lo, floor, gen_reused,
-         gen_drafter) = header[:_FIXED]
-        if (rid, prompt_len) != (offer.request_id, offer.prompt_len):
-            raise RuntimeError(
-                f"payload for request {rid} ({prompt_len} tokens) after the offer of request "
-                f"{offer.request_id} ({offer.prompt_len} tokens)"
-            )
-        group_lo = header[_FIXED : _FIXED + num_groups]
-        keys, values = [], []
-        for lo in group_lo:
-            k = torch.empty(prompt_len - lo, self.dim, dtype=self.dtype, device=self.wire)
-            v = torch.empty_like(k)
-            dist.recv(k, self.peer)
-            dist.recv(v, self.peer)
-            keys.append(k)
-            values.append(v)
-        item = Transfer(rid, prompt_len, offer.tokens, group_lo, keys, values, reused_tokens=reused,
-                        drafter_lo=drafter_lo, gen_reused_tokens=gen_reused, gen_drafter_reused=gen_drafter)
-        if item.drafter_floor != floor:
-            raise RuntimeError(f"request {rid}: payload header floor {floor} != max({drafter_lo}, {gen_drafter})")
-        if num_drafts > 0:
-            drafts = torch.empty(num_drafts, dtype=torch.long, device=self.wire)
-            dist.recv(drafts, self.peer)
-            item.drafts = drafts.cpu().tolist()
-        if has_ctx:
-            raw = torch.empty(HEADER_INTS, dtype=torch.long, device=self.wire)
-            dist.recv(raw, self.peer)
-            # Shaped by the sender's header, whatever this worker expects: the stream stays in step
-            # and the receiver decides afterwards whether to take it.
-            geometry = DrafterContextGeometry.from_wire(raw.cpu().tolist())
-            item.drafter_geometry = geometry
-            for shape, dtype in payload_shapes(geometry, prompt_len, floor):
-                t = torch.empty(shape, dtype=dtype, device=self.wire)
-                dist.recv(t, self.peer)
-                item.drafter_payload.append(t)
-        return item
+    def recv_bytes(self) -> bytes:
+        return bytes(self.recv_array())

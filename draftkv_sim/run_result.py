@@ -67,6 +67,8 @@ class RunResult:
     handoff_bytes_sent: int = 0
     handoff_bytes_without_gen_reuse: int = 0
     handoff_bytes_saved: int = 0
+    transport: str | None = None  # disaggregated runs: the transfer engine, `nixl` or `torch`
+    transfer_failures: dict[int, str] = field(default_factory=dict)  # request -> why its transfer failed
     # Against the estimate: did one request hold more draft pages than the estimator charges it, and how
     # many requests of that peak the pool (sized for `pool_requests` charges) holds at once: a run that
     # finishes only because its few requests had the pool to themselves shows here.

@@ -96,6 +96,16 @@ def parse_handoff_form(value: Any, name: str = "handoff_form") -> HandoffForm:
     return _parse_choice(HandoffForm, value, name)
 
 
+TRANSPORTS = ("auto", "nixl", "torch")
+
+
+def parse_transport(value: Any, name: str = "transport") -> str:
+    """`auto` (NIXL when it imports, else torch), `nixl` or `torch`: what moves a disaggregated run's pages."""
+    if value not in TRANSPORTS:
+        raise ScenarioError(name, f"must be auto, nixl or torch, got {value!r}")
+    return value
+
+
 def parse_block_reuse(value: Any, name: str = "block_reuse") -> str:
     """`off`, `target`, `target-all` or `joint` (see BLOCK_REUSE)."""
     if value not in BLOCK_REUSE:
@@ -142,7 +152,9 @@ class SimSetup:
     (`window`, the default, or `none`; `legacy` never sends one), in
     `handoff_form` (`kv` or `hidden`). `block_reuse`: `off` (default),
     `target`, `target-all` or `joint` (see `BLOCK_REUSE`); reuse runs run under `history`
-    sizing only.
+    sizing only. `transport`: the transfer engine between a disaggregated pair's
+    workers, `nixl` (NIXL over UCX), `torch` (torch.distributed messages) or
+    `auto` (the default: NIXL when it imports).
     """
 
     drafter: SpeculativeDecodingMode = DEFAULT_DRAFTER
@@ -164,6 +176,7 @@ class SimSetup:
     drafter_handoff: DrafterHandoff = DrafterHandoff.WINDOW
     handoff_form: HandoffForm = HandoffForm.KV
     block_reuse: str = "off"
+    transport: str = "auto"
 
     @property
     def block_size(self) -> int:
@@ -199,6 +212,12 @@ class SimSetup:
         if not isinstance(self.handoff_form, HandoffForm):
             raise ScenarioError("handoff_form", f"must be kv or hidden, got {self.handoff_form!r}")
         parse_block_reuse(self.block_reuse)
+        parse_transport(self.transport)
+        if self.transport == "nixl":
+            from tensorrt_llm_draftkv.transfer import nixl_agent
+
+            if (why := nixl_agent.nixl_unavailable()) is not None:
+                raise ScenarioError("transport", f"nixl cannot run here: {why}")
         for name, minimum in self._MINIMUMS.items():
             _int(getattr(self, name), name, minimum)
         problem = tokens_per_block_problem(self.tokens_per_block)  # the package's one page rule
@@ -237,6 +256,8 @@ class SimSetup:
                 value = parse_handoff_form(value)
             elif key == "block_reuse":
                 value = parse_block_reuse(value)
+            elif key == "transport":
+                value = parse_transport(value)
             elif key in ("target_window", "draft_window"):
                 value = _window(value, key)
             changes[key] = value

@@ -106,7 +106,7 @@ def run_one(
                 slots=slots,
                 warmup=warmup_tokens(setup, spec.prompt_lengths),
             )
-            stats = run_disaggregated(build, prompts, progress=bar.rank, pool=ranks)
+            stats = run_disaggregated(build, prompts, progress=bar.rank, pool=ranks, transport=setup.transport)
     finally:
         if bar is not progress:
             bar.close()
@@ -128,7 +128,8 @@ def simulate(scenario: Scenario, sizings: list[MirrorSizing], *, progress: bool 
             bar.close()
     results = []
     # Two rank processes for every disaggregated run: spawning them costs seconds each time.
-    ranks = RankPool() if any(spec.mode == "disaggregated" for spec in scenario.runs) else None
+    disaggregated = any(spec.mode == "disaggregated" for spec in scenario.runs)
+    ranks = RankPool(transport=scenario.setup.transport) if disaggregated else None
     try:
         results = _run_all(scenario, sizings, references, progress, ranks)
     finally:
@@ -205,6 +206,8 @@ def result_row(scenario: Scenario, spec, sizing: MirrorSizing, stats, references
         tokens_per_s=round(stats.tokens_per_s, 1),
         wall_s=round(stats.wall_s, 2),
         **_handoff_fields(spec, setup, sizing, stats),
+        transport=stats.transport,
+        transfer_failures=dict(stats.transfer_failures),
         **_reuse_fields(spec, setup, stats),
         pages_held_at_end=stats.pages_held_by_both,
         draft_pool_occupancy=stats.draft_pool_occupancy,

@@ -34,6 +34,11 @@ class RunStats:
     gen_reused_positions_checked: int = 0  # target K/V positions of those pages checked against the tokens
     handoff_bytes_sent: int = 0  # target K/V + drafter context the generation worker received
     handoff_bytes_without_gen_reuse: int = 0  # what the same handoff would have cost without the round trip
+    #: disaggregated runs: the transfer engine (`nixl` or `torch`); per request that failed in transfer, why
+    transport: str | None = None
+    transfer_failures: dict[int, str] = field(default_factory=dict)
+    transfer_bytes: int = 0  # context worker: bytes its transfers moved (every layer's pages, auxiliary slots)
+    transfer_pages: int = 0  # context worker: pages (per layer group) its transfers wrote
     #: pages still held (every pool of both managers) once every request finished; -1 if not checked
     pages_held_at_end: int = -1
     cached_free_pages_at_end: int = 0  # of the rest: published pages kept for later hits

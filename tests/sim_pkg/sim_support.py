@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from draftkv_sim import SimSetup, phrase_stream
 
 # Chunk 512, windows 256/256, 16-token pages, 64 new tokens: each simulator run takes a fraction of a second.
@@ -49,12 +51,19 @@ def handoff_probe_rank(rank: int, **build):
     if rank == 0:
         export = speculator.export_context
 
-        def recording_export(req, tokens, geometry, *, floor=0):
-            payload = export(req, tokens, geometry, floor=floor)
-            probe[req.py_request_id] = [_digest(t) for t in payload]
-            return payload
+        from draftkv_sim import disagg_transfer
 
-        speculator.export_context = recording_export
+        plan = disagg_transfer.transfer_plan
+
+        def recording_plan(req, ex, hit=None):
+            # The pages the one transfer writes hold this (the handshake names them once the hit is known).
+            item = plan(req, ex, hit)
+            if ex is executor and hit is not None and item.drafter_geometry is not None:
+                payload = export(req, ex.tokens[req.py_request_id], item.drafter_geometry, floor=item.drafter_floor)
+                probe[req.py_request_id] = [_digest(t) for t in payload]
+            return item
+
+        disagg_transfer.transfer_plan = recording_plan
     else:
         drafter, manager = speculator.drafter, executor.draft_manager
         imported = speculator.import_context
@@ -124,14 +133,14 @@ def _adopted_digests(executor, rid: int, prompt_len: int, hit: int, drafter_hit:
 
 
 def _install_reuse_probes() -> None:
-    """Wrap `disagg.transfer_from` (context worker, when it learns the hit) and `disagg.admit_transfer`
+    """Wrap `disagg.transfer_plan` (context worker, when it learns the hit) and `disagg.finish_admission`
     (generation worker, after admission) once per process; they record only for an executor carrying a
     `reuse_probe` dict, so ranks kept across runs are not disturbed."""
     from draftkv_sim import disagg_transfer as disagg
 
-    if getattr(disagg.transfer_from, "reuse_probe", False):
+    if getattr(disagg.transfer_plan, "reuse_probe", False):
         return
-    transfer_from, admit_transfer = disagg.transfer_from, disagg.admit_transfer
+    transfer_plan, finish_admission = disagg.transfer_plan, disagg.finish_admission
 
     def recording_transfer(req, ex, hit=None):
         probe = getattr(ex, "reuse_probe", None)
@@ -140,10 +149,11 @@ def _install_reuse_probes() -> None:
                 hit.tokens, hit.drafter_tokens,
                 _adopted_digests(ex, req.py_request_id, req.prompt_len, hit.tokens, hit.drafter_tokens),
             )
-        return transfer_from(req, ex, hit)
+        return transfer_plan(req, ex, hit)
 
-    def recording_admit(item, ex):
-        req = admit_transfer(item, ex)
+    def recording_admit(admission, ex, **kwargs):
+        req = finish_admission(admission, ex, **kwargs)
+        item = admission.item
         probe = getattr(ex, "reuse_probe", None)
         if probe is not None:
             digests = _adopted_digests(ex, item.request_id, item.prompt_len, item.gen_reused_tokens,
@@ -152,7 +162,7 @@ def _install_reuse_probes() -> None:
         return req
 
     recording_transfer.reuse_probe = True
-    disagg.transfer_from, disagg.admit_transfer = recording_transfer, recording_admit
+    disagg.transfer_plan, disagg.finish_admission = recording_transfer, recording_admit
 
 
 def reuse_probe_rank(rank: int, **build):
@@ -167,4 +177,73 @@ def reuse_probe_rank(rank: int, **build):
     executor = _build_rank(rank, **build)
     executor.reuse_probe = probe = {}
     _attach_to_stats(executor, "reuse_probe", probe)
+    return executor
+
+
+def _pool_digest(executor) -> str:
+    """One digest over every layer of every pool of both managers (the bytes as they are)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for manager in (executor.target_manager, executor.draft_manager):
+        for group in manager.layer_groups if manager is not None else ():
+            for layer in group.pool.layers:
+                h.update(layer.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def random_pools_rank(rank: int, **build):
+    """A disaggregated rank whose pools start with fresh random contents (seeded by rank, never zeros); the
+    generation worker records a digest of all its pools after each request's transfer landed and was admitted
+    (`pool_digests` on its stats: request id -> digest). Module-level so a spawned rank can unpickle it."""
+    from draftkv_sim import disagg_transfer
+    from draftkv_sim.run_build import build_rank as _build_rank
+
+    executor = _build_rank(rank, **build)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    for manager in (executor.target_manager, executor.draft_manager):
+        for group in manager.layer_groups if manager is not None else ():
+            for layer in group.pool.layers:
+                layer.copy_(torch.rand(layer.shape, generator=gen, dtype=torch.float64).to(layer.dtype) + 1.0)
+    digests: dict = {}
+    _attach_to_stats(executor, "pool_digests", digests)
+    if rank == 1:
+        finish = disagg_transfer.finish_admission
+
+        def recording_finish(admission, ex, **kwargs):
+            req = finish(admission, ex, **kwargs)
+            if ex is executor:
+                digests[req.py_request_id] = _pool_digest(ex)
+            return req
+
+        disagg_transfer.finish_admission = recording_finish
+    return executor
+
+
+def faulty_transfer_rank(rank: int, fault: str, request_id: int, timeout_s: float, **build):
+    """A disaggregated rank with one fault injected: rank 0's agent posts request `request_id`'s transfer
+    without its notification (`drop_sync`) or with a destination outside the peer's registered memory
+    (`bad_desc`); rank 1 waits `timeout_s` for a transfer. Module-level so a spawned rank can unpickle it."""
+    from dataclasses import replace as _replace
+
+    from draftkv_sim.run_build import build_rank as _build_rank
+    from tensorrt_llm_draftkv.transfer import MemoryDescs, NixlTransferAgent, TorchWireAgent
+
+    executor = _build_rank(rank, **build)
+    executor.transfer_timeout_s = timeout_s
+    if rank == 0:
+        target = f"request {request_id}".encode()
+        for cls in (NixlTransferAgent, TorchWireAgent):
+            submit = cls.submit_transfer_requests
+
+            def faulty(self, request, _submit=submit):
+                if request.sync_message == target and fault == "drop_sync":
+                    request = _replace(request, sync_message=b"")
+                elif request.sync_message == target and fault == "bad_desc":
+                    dst = request.dst_descs.descs.copy()
+                    dst[0, 0] += 1 << 44  # far past anything the peer registered
+                    request = _replace(request, dst_descs=MemoryDescs(request.dst_descs.type, dst))
+                return _submit(self, request)
+
+            cls.submit_transfer_requests = faulty
     return executor

@@ -115,6 +115,7 @@ def test_json_has_the_issue_keys_for_every_run(disagg_16k):
         assert r["output_matches_target"] is True
         assert r["finished"] == 2 and r["resize_failures"] == 0 and r["first_error"] == ""
         assert r["estimated_draft_pages_per_request"] == records[0]["estimated_draft_pages_per_request"]
+        assert r["transport"] in ("nixl", "torch") and r["transfer_failures"] == {}
 
 
 def test_legacy_touches_foreign_pages_in_the_run_its_pool_holds_and_history_none(disagg_16k):

@@ -125,11 +125,25 @@ def test_a_negative_max_new_tokens_is_refused_with_the_exact_message(capsys):
         ("--drafter", "pard", "dflash or dspark"),
         ("--mode", "agg", "invalid choice"),
         ("--sizing", "new", "invalid choice"),
+        ("--transport", "ucx", "must be auto, nixl or torch, got 'ucx'"),
     ],
 )
 def test_bad_option_values_are_refused(capsys, option, value, message):
     line = usage_error(capsys, option, value)
     assert f"argument {option}: " in line and message in line
+
+
+def test_nixl_where_it_cannot_import_is_a_one_line_error_naming_why(capsys, monkeypatch):
+    from tensorrt_llm_draftkv.transfer import nixl_agent
+
+    monkeypatch.setattr(nixl_agent, "nixl_unavailable", lambda: "No module named 'nixl'")
+    line = usage_error(capsys, "--transport", "nixl")
+    assert "argument --transport: nixl cannot run here: No module named 'nixl'" in line
+
+
+def test_the_transport_is_a_scenario_key(capsys):
+    assert printed_config(capsys, "--transport", "torch")["transport"] == "torch"
+    assert printed_config(capsys)["transport"] == "auto"
 
 
 def test_a_missing_output_folder_fails_before_anything_runs(capsys, tmp_path, monkeypatch):
