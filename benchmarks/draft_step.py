@@ -141,7 +141,8 @@ def main() -> None:
     torch.set_num_threads(1)
     steps = 10 if args.quick else 40
     cases = [(64, 131_071), (64, 524_287)] if args.quick else [
-        (8, 131_071), (64, 32_767), (64, 131_071), (64, 524_287), (64, 2_097_151), (256, 524_287)]
+        (8, 131_071), (64, 32_767), (64, 131_071), (64, 524_287), (64, 2_097_151),
+        (256, 32_767), (256, 524_287), (256, 2_097_151)]
     rows = []
     print(f"device {args.device}, W {W}, P {P}, block {K + 1}; mean host us per step")
     print(f"{'B':>5} {'prompt':>9} " + " ".join(f"{p:>12}" for p in PHASES) + f" {'step':>9} {'us/req':>7}")

@@ -1,0 +1,110 @@
+"""The generation step read straight from a device block table (ring form) against a copy of its bytes.
+
+Run as ``python -m benchmarks.ring_step`` (CUDA; ``--quick`` for fewer sizes, ``--json FILE``).
+
+Per batch B and prompt length: a ring of B table rows (W 4096, P 32: each row's live span
+is its window plus a step, ``C = W/P + 8`` columns, whatever the prompt), rows at the
+prompt's end, slots based at 0, block 16. Timed, all on the same inputs:
+
+* ``ring``: ``prepare_paged_latent(..., table_rows=, table_first=, read_window=W)``, one launch;
+* ``ring graph``: the same launch captured once and replayed;
+* ``copy``: ``copy_`` of the bytes the window-bounded step must touch (each row's
+  ``W/P + 1`` entries read and its read row written), as a same-bytes floor;
+* ``host``: wall-clock µs per checked call, back to back (the launch's host cost).
+
+The prompt length enters only through the ordinals' values, so the figures should be flat.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from tensorrt_llm_draftkv import kernels as K  # noqa: E402
+from tensorrt_llm_draftkv.kernels.reference import window_read_width  # noqa: E402
+
+P, W, BS, MAX_NEW = 32, 4096, 16, 16
+C = W // P + 8
+
+
+def make(B: int, prompt: int, dev: torch.device, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = prompt - torch.randint(0, 4 * P, (B,), generator=g)
+    extent = (lengths + BS + P - 1) // P
+    first = (extent - C + 2).clamp_min(0)
+    pages = torch.randperm(B * C, generator=g).reshape(B, C).to(torch.int32)
+    rows = torch.randperm(B, generator=g)
+    args = [pages, extent, rows, first, torch.arange(B), lengths, torch.zeros(B, dtype=torch.int64),
+            torch.randint(0, MAX_NEW + 1, (B,), generator=g)]
+    return [a.to(dev) for a in args]
+
+
+def bench(B: int, prompt: int, dev: torch.device) -> dict:
+    import triton.testing as tt
+
+    pages, extent, rows, first, *vectors = make(B, prompt, dev)
+    kw = dict(block_size=BS, tokens_per_block=P, max_ctx=prompt + 4096, max_new=MAX_NEW, read_window=W)
+    out = K.PagedLatentPrep.empty(B, window_read_width(W, P), BS, MAX_NEW, device=dev)
+    want = K.prepare_paged_latent_ring_reference(pages, extent, rows, first, *vectors, **kw)
+
+    def call():
+        K.prepare_paged_latent(pages, extent, *vectors, table_rows=rows, table_first=first, out=out, **kw)
+
+    call()
+    torch.cuda.synchronize()
+    for name, t in want.tensors().items():
+        assert torch.equal(getattr(out, name), t), name
+    direct = tt.do_bench(call, warmup=25, rep=200, return_mode="median")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    replay = tt.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    width = window_read_width(W, P)
+    src = torch.randint(0, 1 << 20, (B * (width + 1) * 2,), dtype=torch.int32, device=dev)
+    dst = torch.empty_like(src)
+    copy = tt.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    host = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(200):
+            call()
+        host.append((time.perf_counter() - t0) / 200 * 1e6)
+        torch.cuda.synchronize()
+    return {"B": B, "prompt": prompt, "ring_us": direct * 1e3, "graph_us": replay * 1e3, "copy_us": copy * 1e3,
+            "host_us": statistics.median(host)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("ring_step: needs CUDA (the CPU path is the reference; see tests/kernels/test_ring.py)")
+        return
+    dev = torch.device("cuda")
+    prompts = (32_768, 2_097_152) if args.quick else (32_768, 131_072, 524_288, 2_097_152)
+    rows = []
+    print(f"{'B':>5} {'prompt':>9} {'ring us':>8} {'graph us':>9} {'copy us':>8} {'graph/copy':>10} {'host us':>8}")
+    for B in (8, 64, 256):
+        for prompt in prompts:
+            r = bench(B, prompt, dev)
+            rows.append(r)
+            print(f"{B:>5} {prompt:>9} {r['ring_us']:>8.2f} {r['graph_us']:>9.2f} {r['copy_us']:>8.2f} "
+                  f"{r['graph_us'] / r['copy_us']:>10.2f} {r['host_us']:>8.1f}", flush=True)
+    print("targets: graph replay <= 1.2x the same-bytes copy; host call <= 12 us")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
