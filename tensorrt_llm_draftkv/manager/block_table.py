@@ -201,9 +201,14 @@ class DeviceBlockTable:
         written = 0
         for g, ordinals in by_group.items():
             pool = self._pools[g]
-            # The lowest backed ordinal moves only across logged ordinals: start from the
-            # lower of the old one and any logged ordinal, then skip what is unbacked.
-            first = cache.first_backed(g, min(int(pool.first[r]), min(ordinals)))
+            # The lowest backed ordinal is the old one's next backed ordinal (only logged ordinals
+            # were released) or a logged ordinal that is backed now, whichever is lower.
+            logged = sorted(ordinals)
+            first = cache.first_backed(g, int(pool.first[r]))
+            for o, page in zip(logged, cache.block_entries(g, logged)):
+                if page != BAD_PAGE_INDEX:
+                    first = min(first, o)
+                    break
             extent = cache.backed_extent(g)
             C = pool.host.shape[1]
             if extent - first > C:
@@ -213,7 +218,7 @@ class DeviceBlockTable:
             if first != pool.first[r] or extent != pool.extent[r]:
                 pool.first[r], pool.extent[r] = first, extent
                 pool.scalars_dirty = True
-            cols = np.unique(np.fromiter(ordinals, dtype=np.int64, count=len(ordinals)) % C)
+            cols = np.array(sorted({o % C for o in logged}), dtype=np.int64)
             owners = first + (cols - first) % C  # the ordinal each touched column holds now
             values = np.asarray(cache.block_entries(g, owners.tolist()), dtype=np.int32)
             values[owners >= extent] = BAD_PAGE_INDEX
@@ -314,9 +319,11 @@ class DeviceBlockTable:
 
 
 def _by_group(changes: list[tuple[int, int]]) -> list[tuple[int, np.ndarray]]:
-    """`(group, ordinal)` pairs as one ordinal array per group."""
-    arr = np.asarray(changes, dtype=np.int64).reshape(-1, 2)
-    return [(int(g), arr[arr[:, 0] == g, 1]) for g in np.unique(arr[:, 0])]
+    """`(group, ordinal)` pairs as one ordinal array per group (plain Python: the lists are short)."""
+    groups: dict[int, list[int]] = {}
+    for g, o in changes:
+        groups.setdefault(g, []).append(o)
+    return [(g, np.array(ords, dtype=np.int64)) for g, ords in groups.items()]
 
 
 __all__ = ["DeviceBlockTable", "RingTables"]

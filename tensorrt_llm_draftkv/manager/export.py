@@ -232,15 +232,21 @@ def write_block_offset_entries(
         return 0
     kv = layout.kv_factor
     v_slot = 1 if kv > 1 else 0
-    rows, pools, ords, values = [], [], [], []
-    for b, p, ordinals in entries:
-        pages = np.asarray(caches[b].block_entries(p, ordinals.tolist()), dtype=np.int64)
-        fill = _fill(layout, p, backend="cpp")
-        values.append(np.where(pages >= 0, pages * kv, BAD_PAGE_INDEX if fill is None else fill))
-        rows.append(np.full(ordinals.size, b, dtype=np.int64))
-        pools.append(np.full(ordinals.size, p, dtype=np.int64))
-        ords.append(ordinals.astype(np.int64))
-    staged = torch.from_numpy(np.stack([np.concatenate(a) for a in (pools, rows, ords, values)]))
+    rows: list[int] = []
+    pools: list[int] = []
+    ords: list[int] = []
+    pages: list[int] = []
+    for b, p, ordinals in entries:  # plain lists: a step changes a handful of entries per row
+        wanted = ordinals.tolist()
+        pages += caches[b].block_entries(p, wanted)
+        ords += wanted
+        rows += [b] * len(wanted)
+        pools += [p] * len(wanted)
+    pool_arr, page_arr = np.array(pools, dtype=np.int64), np.array(pages, dtype=np.int64)
+    fills = np.array([_fill(layout, p, backend="cpp") for p in range(layout.num_pools)], dtype=np.int64)
+    values = np.where(page_arr >= 0, page_arr * kv, fills[pool_arr])
+    staged = torch.from_numpy(np.stack([pool_arr, np.array(rows, dtype=np.int64), np.array(ords, dtype=np.int64),
+                                        values]))
     staged = staged.to(dst_tensor.device)
     p_idx, b_idx, o_idx, k_vals = staged[0], staged[1], staged[2], staged[3]
     zero = torch.zeros_like(p_idx)

@@ -267,7 +267,9 @@ class KVCache:
         if log is not None:
             log.extend((g, o) for o in plan.clear)
             log.extend((g, o) for o in plan.allocate)
-            log.extend((g, o) for o in range(plan.new_len, old_len))
+            # the row's new or cut-off tail too: an ordinal that grows in unbacked (a window's stale
+            # range) must read as unbacked in a mirror that last saw another row in that place
+            log.extend((g, o) for o in range(min(plan.new_len, old_len), max(plan.new_len, old_len)))
         if plan.new_len < old_len:
             saved += [(o, row[o]) for o in range(plan.new_len, old_len)]
             del row[plan.new_len :]

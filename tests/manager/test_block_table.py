@@ -118,7 +118,7 @@ class _Req:
 
 
 TestRingFollowsRows = RingFollowsRows.TestCase
-TestRingFollowsRows.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestRingFollowsRows.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 
 
 def test_a_generation_step_writes_only_what_its_resize_changed():
