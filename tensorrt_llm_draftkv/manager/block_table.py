@@ -212,6 +212,7 @@ class DeviceBlockTable:
             extent = cache.backed_extent(g)
             C = pool.host.shape[1]
             if extent - first > C:
+                pool.first[r] = first  # the re-layout starts this row from here
                 self._relayout(g, extent - first)  # rewrites this row too
                 written += extent - first
                 continue
@@ -244,15 +245,20 @@ class DeviceBlockTable:
         return int(cols.size)
 
     def _relayout(self, g: int, span: int) -> None:
-        """Widen pool g's ring to hold `span` ordinals (at least doubling): every row is rewritten."""
+        """Widen pool g's ring to hold twice `span` ordinals (at least doubling, so a span that
+        fluctuates by a few pages does not re-lay out again): every row is rewritten."""
         old = self._pools[g]
-        width = max(span, 2 * old.host.shape[1])
+        width = max(2 * span, 2 * old.host.shape[1])
         self._pools[g] = self._new_pool(old.host.shape[0], width)
         self.relayouts += 1
         for rid, r in self._row_of.items():
             cache = self._cache_of[rid]
-            if not cache.closed:
-                self._write_row(self._pools[g], g, r, cache, cache.first_backed(g))
+            if cache.closed:
+                continue
+            # a row with nothing pending still starts where the table last saw it; one with pending
+            # changes (synced later this round, or next) is found from its start
+            first = cache.first_backed(g, 0 if cache.has_pending_changes else int(old.first[r]))
+            self._write_row(self._pools[g], g, r, cache, first)
 
     def _push(self) -> None:
         """Each pool's pending entries to the device: one copy of the changed values, one scatter."""

@@ -136,6 +136,11 @@ class KVCache:
     def tracks_changes(self) -> bool:
         return self._changes is not None
 
+    @property
+    def has_pending_changes(self) -> bool:
+        """Logged changes not drained yet."""
+        return bool(self._changes)
+
     def drain_changes(self) -> list[tuple[int, int]]:
         """`(group, ordinal)` of the entries changed since the last call (repeats possible; an
         ordinal past a row's end was cut off). Empty when nothing changed or nothing is tracked."""
