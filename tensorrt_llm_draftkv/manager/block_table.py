@@ -48,11 +48,6 @@ class RingTables:
     extent: torch.Tensor
     rows: torch.Tensor
 
-    @property
-    def width(self) -> int:
-        """``C``: ordinal ``o`` of a row lives at column ``o % C``."""
-        return int(self.pages.shape[1])
-
 
 @dataclass
 class _Pool:
@@ -80,8 +75,6 @@ class DeviceBlockTable:
         self._cache_of: dict[int, KVCache] = {}
         self._free_rows = list(range(rows - 1, -1, -1))
         self._rows_cache: tuple[tuple[int, ...], torch.Tensor] | None = None
-        #: ring entries written by the last `sync` (all pools): what a step cost
-        self.last_sync_entries = 0
         #: times a ring was re-laid out (grown): each rewrote every row
         self.relayouts = 0
         #: bumped by every sync that changed an entry; `changes_since` answers for the last few
@@ -162,8 +155,8 @@ class DeviceBlockTable:
         delta: dict[int, Optional[list[tuple[int, np.ndarray]]]] = {}
         for rid, cache in zip(request_ids, caches):
             if self._cache_of.get(rid) is not cache:
-                self._attach(rid, cache)
-                written += sum(int(p.extent[self._row_of[rid]] - p.first[self._row_of[rid]]) for p in self._pools)
+                r = self._attach(rid, cache)
+                written += sum(max(0, int(p.extent[r] - p.first[r])) for p in self._pools)
                 delta[rid] = None  # the whole row is new
                 continue
             changes = cache.drain_changes()
@@ -174,7 +167,6 @@ class DeviceBlockTable:
         if delta:
             self.epoch += 1
             self._deltas.append((self.epoch, delta))
-        self.last_sync_entries = written
         return written
 
     def changes_since(self, epoch: int) -> Optional[dict[int, Optional[list[tuple[int, np.ndarray]]]]]:

@@ -133,10 +133,6 @@ class KVCache:
         self._changes = []
 
     @property
-    def tracks_changes(self) -> bool:
-        return self._changes is not None
-
-    @property
     def has_pending_changes(self) -> bool:
         """Logged changes not drained yet."""
         return bool(self._changes)
