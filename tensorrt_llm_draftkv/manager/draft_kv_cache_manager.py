@@ -94,6 +94,17 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
     def joint_kv_cache_reuse(self) -> bool:
         return self.policy.joint_kv_cache_reuse
 
+    @property
+    def after_step_headroom(self) -> int:
+        """A draft mirror (the fix's sizing) keeps, after `update_resources`, the slots the next
+        generation step reserves anyway (up to history + `generation_headroom` tokens of its
+        capacity): otherwise about every other step releases a page there only for the next
+        `prepare_resources` to take it back, and each such page costs a pool call, a row edit and
+        a block-table update. A target-side manager and the legacy sizing keep upstream's rule."""
+        if not self.is_draft or self.policy.sizing is rules.MirrorSizing.LEGACY:
+            return 1
+        return self.generation_headroom
+
     # -- upstream's request_context around the sizing calls -----------------------
     def _draft_request_context(self, batch: ScheduledRequests):
         """`request_context(True, batch)`, as upstream's `_prepare_draft_resources`; none for a target one."""

@@ -235,6 +235,12 @@ class KVCacheManagerV2:
         """Tokens a generation step puts above history: the new token, drafts, extra."""
         return rules.generation_headroom(self.max_draft_len, self.num_extra_kv_tokens)
 
+    @property
+    def after_step_headroom(self) -> int:
+        """Tokens above history a cache may keep of its capacity after `update_resources` (1: only the
+        next token's slot, upstream's rule for a target cache). See `rules.after_step_sizes`."""
+        return 1
+
     def context_headroom(self, chunk: int, is_last_chunk: bool) -> int:
         """Tokens a context chunk puts above its start: the chunk, the extra tokens, drafts on the last chunk."""
         return rules.context_headroom(chunk, is_last_chunk, self.max_draft_len, self.num_extra_kv_tokens)
@@ -532,7 +538,8 @@ class KVCacheManagerV2:
     def update_resources(
         self, scheduled_batch: ScheduledRequests, attn_metadata: object = None, kv_cache_dtype_byte_size: float = None
     ) -> None:
-        """After a step: drop rejected draft slots; history = tokens − 1 (the last has no KV).
+        """After a step: history = tokens − 1 (the last has no KV); the rejected draft slots are dropped
+        down to the next token's slot, as upstream, except on a draft mirror (`after_step_headroom`).
 
         Every request holding generated tokens, as upstream; one with no cache here, a
         suspended one or a dummy is skipped. All or nothing over the rest. `attn_metadata` and
@@ -546,12 +553,15 @@ class KVCacheManagerV2:
             and r.py_request_id not in suspended
         ]
         caches = [live[r.py_request_id] for r in reqs]
-        sizes = rules.after_step_sizes([r.max_beam_num_tokens for r in reqs], [c.history_length for c in caches])
+        headroom = self.after_step_headroom
+        sizes = rules.after_step_sizes([r.max_beam_num_tokens for r in reqs], [c.history_length for c in caches],
+                                       [c.capacity for c in caches], headroom)
         if not self._resize_known_to_fit(reqs, sizes, caches):
             with self.caches.transaction(r.py_request_id for r in reqs):
                 for req in reqs:
                     cache = self.caches[req.py_request_id]
-                    capacity, history = rules.after_step_sizing(req.max_beam_num_tokens, cache.history_length)
+                    capacity, history = rules.after_step_sizing(req.max_beam_num_tokens, cache.history_length,
+                                                                cache.capacity, headroom)
                     if not cache.resize(capacity, history):
                         # Every draft was accepted and the pool has no page for the next token's
                         # slot: still advance history (this only releases pages); the next

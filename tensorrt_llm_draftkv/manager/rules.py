@@ -93,17 +93,31 @@ def context_history(policy: DraftPoolTraits, *, start: int, mirror_covers_start:
     return None
 
 
-def after_step_sizing(tokens: int, history_length: int) -> tuple[int, int]:
-    """(capacity, history) once a step is over: history = `tokens` − 1 (the last token has no KV
-    yet), never below the cache's `history_length`; capacity one above it, the next token's slot,
-    so the step's rejected draft slots are dropped."""
-    return after_step_sizes([tokens], [history_length])[0]
+def after_step_sizing(
+    tokens: int, history_length: int, capacity: int | None = None, headroom: int = 1
+) -> tuple[int, int]:
+    """(capacity, history) once a step is over, in absolute tokens: history = `tokens` − 1 (the last
+    token has no KV yet), never below the cache's `history_length`. Capacity drops the step's
+    rejected draft slots down to the next token's slot (history + 1), except those the next
+    generation step reserves again anyway: it keeps up to `history + headroom` of the cache's
+    current `capacity` (None: keep nothing above history + 1), so a step that does not move past
+    a page does not release a page only for the next `prepare_resources` to take it back."""
+    return after_step_sizes([tokens], [history_length], None if capacity is None else [capacity], headroom)[0]
 
 
-def after_step_sizes(tokens: Sequence[int], history_lengths: Sequence[int]) -> list[tuple[int, int]]:
+def after_step_sizes(
+    tokens: Sequence[int], history_lengths: Sequence[int], capacities: Sequence[int] | None = None,
+    headroom: int = 1,
+) -> list[tuple[int, int]]:
     """`after_step_sizing` for a whole batch, in one call (it runs for every request of every step)."""
     histories = [t - 1 if t - 1 > h else h for t, h in zip(tokens, history_lengths)]
-    return [(h + 1 if h >= 0 else 0, h) for h in histories]
+    if capacities is None or headroom <= 1:
+        return [(h + 1 if h >= 0 else 0, h) for h in histories]
+    out = []
+    for h, c in zip(histories, capacities):
+        keep = h + headroom if c > h + headroom else c
+        out.append((keep if keep > h + 1 else (h + 1 if h >= 0 else 0), h))
+    return out
 
 
 def disagg_gen_init_sizing(

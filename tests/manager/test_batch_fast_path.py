@@ -163,3 +163,41 @@ def test_the_batch_sizing_rules_are_the_per_request_ones():
     sizing = rules.StepSizing(max_draft_len=3, num_extra_kv_tokens=2)
     reqs = [LlmRequest(i, prompt_len=5, tokens=[1] * (5 + i)) for i in range(3)]
     assert sizing.generation_sizes(reqs) == [sizing.generation(r, None) for r in reqs] == [(10, None), (11, None), (12, None)]
+
+
+def test_after_a_step_a_cache_keeps_only_the_slots_the_next_step_reserves():
+    from tensorrt_llm_draftkv.manager import rules
+
+    # tokens, history, capacity before the update, headroom 6: capacity = max(h + 1, min(c, h + 6))
+    tokens, hist, caps = [10, 10, 10, 30, 3], [4, 4, 4, 4, 7], [20, 12, 9, 9, 8]
+    assert rules.after_step_sizes(tokens, hist, caps, 6) == [(15, 9), (12, 9), (10, 9), (30, 29), (8, 7)]
+    assert [rules.after_step_sizing(t, h, c, 6) for t, h, c in zip(tokens, hist, caps)] == \
+        rules.after_step_sizes(tokens, hist, caps, 6)
+    assert rules.after_step_sizes(tokens, hist, caps, 1) == rules.after_step_sizes(tokens, hist)
+
+
+@pytest.mark.parametrize("kind", ["draft", "target"])
+def test_a_draft_mirror_does_not_give_back_a_page_the_next_prepare_takes_again(kind):
+    mgr = _manager(kind, "window", 64)
+    req = LlmRequest(1, prompt_len=9, state=LlmRequestState.DISAGG_GENERATION_INIT)
+    req.tokens.append(1)
+    assert mgr.prepare_disagg_gen_init(req)
+    req.state = LlmRequestState.GENERATION_IN_PROGRESS
+    batch = ScheduledRequests(generation_requests=[req])
+    headroom = mgr.generation_headroom
+    churn = 0
+    for _ in range(24):
+        mgr.prepare_resources(batch)
+        cache = mgr.get_cache(1)
+        reserved, held = cache.capacity, cache.num_held_pages()
+        req.tokens.append(1)  # every draft rejected: one new token
+        mgr.update_resources(batch)
+        h = req.max_beam_num_tokens - 1
+        if kind == "draft":
+            assert cache.capacity == max(h + 1, min(reserved, h + headroom))
+        else:  # upstream's rule: only the next token's slot
+            assert cache.capacity == h + 1
+        churn += held - cache.num_held_pages() > 0 and cache.num_blocks < -(-reserved // P)
+        mgr.check_accounting()
+    # the draft mirror never drops a top page the next prepare grows back into; the target does
+    assert (churn == 0) == (kind == "draft")
