@@ -553,15 +553,12 @@ class KVCacheManagerV2:
             and r.py_request_id not in suspended
         ]
         caches = [live[r.py_request_id] for r in reqs]
-        headroom = self.after_step_headroom
         sizes = rules.after_step_sizes([r.max_beam_num_tokens for r in reqs], [c.history_length for c in caches],
-                                       [c.capacity for c in caches], headroom)
+                                       [c.capacity for c in caches], self.after_step_headroom)
         if not self._resize_known_to_fit(reqs, sizes, caches):
+            # Each size depends on its own cache only, untouched until its turn: the same sizes hold.
             with self.caches.transaction(r.py_request_id for r in reqs):
-                for req in reqs:
-                    cache = self.caches[req.py_request_id]
-                    capacity, history = rules.after_step_sizing(req.max_beam_num_tokens, cache.history_length,
-                                                                cache.capacity, headroom)
+                for cache, (capacity, history) in zip(caches, sizes):
                     if not cache.resize(capacity, history):
                         # Every draft was accepted and the pool has no page for the next token's
                         # slot: still advance history (this only releases pages); the next

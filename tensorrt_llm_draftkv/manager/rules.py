@@ -113,11 +113,9 @@ def after_step_sizes(
     histories = [t - 1 if t - 1 > h else h for t, h in zip(tokens, history_lengths)]
     if capacities is None or headroom <= 1:
         return [(h + 1 if h >= 0 else 0, h) for h in histories]
-    out = []
-    for h, c in zip(histories, capacities):
-        keep = h + headroom if c > h + headroom else c
-        out.append((keep if keep > h + 1 else (h + 1 if h >= 0 else 0), h))
-    return out
+    # max(h + 1, min(c, h + headroom)), as conditionals: this runs for every request of every step
+    return [(h + headroom if c > h + headroom else (c if c > h + 1 else h + 1), h)
+            for h, c in zip(histories, capacities)]
 
 
 def disagg_gen_init_sizing(
