@@ -14,7 +14,7 @@ the drafter's window W 4096, P 32, DFlash block 8) on a draft
 
 Host wall clock per phase, mean over the timed steps (a step that crosses a page is
 counted at its share), in microseconds, and the whole step per request. Run as
-``python -m benchmarks.draft_step [--quick] [--device cuda] [--json FILE]``.
+``python -m benchmarks.draft_step [--quick] [--device cuda] [--json FILE] [--profile B,PROMPT]``.
 """
 from __future__ import annotations
 
@@ -132,13 +132,39 @@ def measure(batch: int, prompt: int, device: str, steps: int) -> dict[str, float
     return out
 
 
+def profile(batch: int, prompt: int, device: str, steps: int = 20) -> None:
+    """Where one case's host time goes, function by function (cProfile, after three warm-up steps)."""
+    import cProfile
+    import pstats
+
+    s = build(batch, prompt, device)
+    for _ in range(3):
+        step(s, None)
+    gc.collect()
+    gc.freeze()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step(s, None)
+    prof.disable()
+    gc.unfreeze()
+    print(f"device {device}, B {batch}, prompt {prompt}, {steps} steps")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and steps")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", help="write every figure to this file")
+    parser.add_argument("--profile", metavar="B,PROMPT",
+                        help="instead of the table: cProfile 20 steps of this one case, top 30 by own time")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.profile:
+        batch, prompt = (int(x) for x in args.profile.split(","))
+        profile(batch, prompt, args.device)
+        return
     steps = 10 if args.quick else 40
     cases = [(64, 131_071), (64, 524_287)] if args.quick else [
         (8, 131_071), (64, 32_767), (64, 131_071), (64, 524_287), (64, 2_097_151),

@@ -50,6 +50,28 @@ class RingTables:
 
 
 @dataclass
+class TableDelta:
+    """What one or more syncs changed: the requests whose rows were written whole, and per pool
+    `(group, table rows, ordinals, pages)` int64 arrays of the logged entries, each ordinal's
+    page as it is now (BAD_PAGE_INDEX: unbacked), in order (a later entry supersedes an earlier one
+    for the same row and ordinal). Ordinals are absolute block ordinals; table rows, not batch rows."""
+
+    whole: set[int]
+    entries: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _last_entries(rows: list[int], ordinals: list[int], pages: list[int]) -> tuple[np.ndarray, ...]:
+    """The entries as int64 arrays, only the last one of each (row, ordinal)."""
+    r, o, page = (np.array(a, dtype=np.int64) for a in (rows, ordinals, pages))
+    if r.size > 1:
+        key = (r << 40) | o  # ordinals < 2**40
+        _, last = np.unique(key[::-1], return_index=True)
+        keep = r.size - 1 - last
+        r, o, page = r[keep], o[keep], page[keep]
+    return r, o, page
+
+
+@dataclass
 class _Pool:
     """Host mirror (numpy) and device tensors of one pool's ring."""
 
@@ -57,8 +79,7 @@ class _Pool:
     first: np.ndarray  # int64 [rows]
     extent: np.ndarray  # int64 [rows]
     device: torch.Tensor | None = None  # int32 [rows, C], None while the device is the CPU
-    first_dev: torch.Tensor | None = None
-    extent_dev: torch.Tensor | None = None
+    scalars_dev: torch.Tensor | None = None  # int64 [2, rows]: first, extent (one copy updates both)
     pending: list[np.ndarray] = field(default_factory=list)  # flat indices r * C + c changed since the last push
     scalars_dirty: bool = True
 
@@ -73,13 +94,18 @@ class DeviceBlockTable:
         self._pools = [self._new_pool(rows, width) for _ in range(num_pools)]
         self._row_of: dict[int, int] = {}
         self._cache_of: dict[int, KVCache] = {}
+        self._rid_of: dict[KVCache, int] = {}  # attached cache -> its request (caches hash by identity)
+        #: attached caches with undrained changes: each adds itself when it logs one (`KVCache.track_changes`)
+        self._dirty: set[KVCache] = set()
+        #: the batch of the last full membership check (`sync`): the same lists again need none
+        self._checked: tuple[list[int], list[KVCache]] = ([], [])
         self._free_rows = list(range(rows - 1, -1, -1))
         self._rows_cache: tuple[tuple[int, ...], torch.Tensor] | None = None
         #: times a ring was re-laid out (grown): each rewrote every row
         self.relayouts = 0
         #: bumped by every sync that changed an entry; `changes_since` answers for the last few
         self.epoch = 0
-        self._deltas: deque[tuple[int, dict[int, Optional[list[tuple[int, np.ndarray]]]]]] = deque(maxlen=8)
+        self._deltas: deque[tuple[int, TableDelta]] = deque(maxlen=8)
 
     # -- shape -------------------------------------------------------------------------
     @property
@@ -111,7 +137,11 @@ class DeviceBlockTable:
         """The request left the manager: its table row is free again (nothing to write: a
         row's entries mean something only inside its live span, which the next owner sets)."""
         r = self._row_of.pop(request_id, None)
-        self._cache_of.pop(request_id, None)
+        cache = self._cache_of.pop(request_id, None)
+        if cache is not None:
+            self._rid_of.pop(cache, None)
+            cache.stop_tracking()
+        self._checked = ([], [])
         if r is not None:
             self._free_rows.append(r)
             for pool in self._pools:
@@ -127,8 +157,13 @@ class DeviceBlockTable:
             r = self._free_rows.pop()
             self._row_of[request_id] = r
             self._rows_cache = None
+        replaced = self._cache_of.get(request_id)
+        if replaced is not None:
+            self._rid_of.pop(replaced, None)
+            replaced.stop_tracking()
         self._cache_of[request_id] = cache
-        cache.track_changes()
+        self._rid_of[cache] = request_id
+        cache.track_changes(self._dirty)  # a fresh log: the whole row is written below
         for g, pool in enumerate(self._pools):
             first = cache.first_backed(g)
             self._write_row(pool, g, r, cache, first)
@@ -147,78 +182,103 @@ class DeviceBlockTable:
         """Bring these requests' rows up to date with their caches; returns entries written.
 
         A request seen for the first time (or whose cache was replaced) gets a table row
-        and its whole live span; any other writes only the ring columns of the ordinals
-        its cache logged since the last sync. Then each pool's changes go to the device
-        in one copy and one scatter.
+        and its whole live span. Then every attached cache that logged a change since the
+        last sync (these requests' or any other's: each adds itself to the table's dirty
+        set) has the ring columns of its logged ordinals rewritten from its log, in one
+        numpy pass over all of them. Python per changed row: draining its log and finding
+        its new first/extent; per request of the batch: one C-level comparison with the
+        last batch checked (a loop only when the batch's membership changed). Each pool's
+        changes then go to the device in one copy and one scatter.
         """
+        ids, batch = list(request_ids), list(caches)
         written = 0
-        delta: dict[int, Optional[list[tuple[int, np.ndarray]]]] = {}
-        for rid, cache in zip(request_ids, caches):
-            if self._cache_of.get(rid) is not cache:
-                r = self._attach(rid, cache)
-                written += sum(max(0, int(p.extent[r] - p.first[r])) for p in self._pools)
-                delta[rid] = None  # the whole row is new
-                continue
-            changes = cache.drain_changes()
-            if changes:
-                written += self._apply_changes(self._row_of[rid], cache, changes)
-                delta[rid] = _by_group(changes)
+        whole: set[int] = set()
+        if ids != self._checked[0] or batch != self._checked[1]:  # identity per element, in C
+            for rid, cache in zip(ids, batch):
+                if self._cache_of.get(rid) is not cache:
+                    r = self._attach(rid, cache)
+                    written += sum(max(0, int(p.extent[r] - p.first[r])) for p in self._pools)
+                    whole.add(rid)  # the whole row is new
+            self._checked = (ids, batch)
+        logged: dict[int, tuple[list[int], list[int], list[int]]] = {}
+        if self._dirty:
+            row_of, rid_of = self._row_of, self._rid_of
+            for cache in sorted(self._dirty, key=lambda c: row_of[rid_of[c]]):  # table-row order
+                changes = cache.drain_changes()
+                if changes:
+                    self._take_log(row_of[rid_of[cache]], cache, changes, logged)
+            self._dirty.clear()
+        entries = []
+        for g, (rows, ordinals, pages) in logged.items():
+            r, o, page = _last_entries(rows, ordinals, pages)
+            written += self._write_entries(g, r, o, page)
+            entries.append((g, r, o, page))
         self._push()
-        if delta:
+        if whole or entries:
             self.epoch += 1
-            self._deltas.append((self.epoch, delta))
+            self._deltas.append((self.epoch, TableDelta(whole, entries)))
         return written
 
-    def changes_since(self, epoch: int) -> Optional[dict[int, Optional[list[tuple[int, np.ndarray]]]]]:
-        """Request id -> `[(group, ordinals)]` changed by the syncs after `epoch` (None for a request whose
-        whole row is new); None when those syncs are no longer remembered. Ordinals are absolute."""
+    def changes_since(self, epoch: int) -> Optional["TableDelta"]:
+        """What the syncs after `epoch` changed, merged in order (see `TableDelta`); None when those
+        syncs are no longer remembered."""
         if epoch == self.epoch:
-            return {}
+            return TableDelta(set(), [])
         kept = [d for e, d in self._deltas if e > epoch]
         if not self._deltas or self._deltas[0][0] > epoch + 1 or len(kept) != self.epoch - epoch:
             return None
-        merged: dict[int, Optional[list[tuple[int, np.ndarray]]]] = {}
-        for d in kept:
-            for rid, changes in d.items():
-                if changes is None or merged.get(rid, []) is None:
-                    merged[rid] = None
-                else:
-                    merged.setdefault(rid, []).extend(changes)
-        return merged
+        return TableDelta(set().union(*(d.whole for d in kept)), [e for d in kept for e in d.entries])
 
-    def _apply_changes(self, r: int, cache: KVCache, changes: list[tuple[int, int]]) -> int:
-        by_group: dict[int, set[int]] = {}
-        for g, o in changes:
-            by_group.setdefault(g, set()).add(o)
-        written = 0
-        for g, ordinals in by_group.items():
+    def _take_log(self, r: int, cache: KVCache, changes: list, logged: dict) -> None:
+        """Row r's drained log: its entries appended to `logged[group]` (table row, ordinal, page), its
+        first/extent brought up to date now (a row outgrowing its ring re-lays the ring out)."""
+        groups: dict[int, list[int]] = {}  # group -> the ordinals logged with a page (candidates for first)
+        for g, ordinals, pages in changes:
+            k = len(ordinals)
+            if not k:
+                continue
+            backed = groups.setdefault(g, [])
+            rows, ords, values = logged.setdefault(g, ([], [], []))
+            rows += [r] * k
+            ords += ordinals
+            if pages is None:
+                values += [BAD_PAGE_INDEX] * k
+            else:
+                values += pages
+                backed += ordinals
+        for g, backed in groups.items():
             pool = self._pools[g]
+            old_first, old_extent = pool.first.item(r), pool.extent.item(r)
             # The lowest backed ordinal is the old one's next backed ordinal (only logged ordinals
             # were released) or a logged ordinal that is backed now, whichever is lower.
-            logged = sorted(ordinals)
-            first = cache.first_backed(g, int(pool.first[r]))
-            for o, page in zip(logged, cache.block_entries(g, logged)):
-                if page != BAD_PAGE_INDEX:
-                    first = min(first, o)
-                    break
+            first = cache.first_backed(g, old_first)
+            for o in backed:
+                if o < first and cache.block_entry(g, o) != BAD_PAGE_INDEX:
+                    first = o
             extent = cache.backed_extent(g)
-            C = pool.host.shape[1]
-            if extent - first > C:
+            if extent - first > pool.host.shape[1]:
                 pool.first[r] = first  # the re-layout starts this row from here
-                self._relayout(g, extent - first)  # rewrites this row too
-                written += extent - first
-                continue
-            if first != pool.first[r] or extent != pool.extent[r]:
+                self._relayout(g, extent - first)  # rewrites every row (what is logged stays valid)
+            elif first != old_first or extent != old_extent:
                 pool.first[r], pool.extent[r] = first, extent
                 pool.scalars_dirty = True
-            cols = np.array(sorted({o % C for o in logged}), dtype=np.int64)
-            owners = first + (cols - first) % C  # the ordinal each touched column holds now
-            values = np.asarray(cache.block_entries(g, owners.tolist()), dtype=np.int32)
-            values[owners >= extent] = BAD_PAGE_INDEX
-            pool.host[r, cols] = values
-            pool.pending.append(r * C + cols)
-            written += int(cols.size)
-        return written
+
+    def _write_entries(self, g: int, r: np.ndarray, o: np.ndarray, page: np.ndarray) -> int:
+        """Pool g's ring columns of these (table row, ordinal, page now) entries, first/extent already
+        current: a column is written with its logged ordinal's page when that ordinal owns it (is the
+        one ordinal of the live span at that column), unbacked when no live ordinal owns it, and left
+        alone when another, unlogged, live ordinal does."""
+        pool = self._pools[g]
+        C = pool.host.shape[1]
+        first, extent = pool.first[r], pool.extent[r]
+        cols = o % C
+        owner = first + (cols - first) % C
+        mine = o == owner
+        write = mine | (owner >= extent)
+        flat = (r * C + cols)[write]
+        pool.host.reshape(-1)[flat] = np.where(mine & (o < extent), page, BAD_PAGE_INDEX)[write]
+        pool.pending.append(flat)
+        return int(flat.size)
 
     def _write_row(self, pool: _Pool, g: int, r: int, cache: KVCache, first: int) -> int:
         """The row's whole live span (a new row, or after a re-layout)."""
@@ -253,29 +313,36 @@ class DeviceBlockTable:
             self._write_row(self._pools[g], g, r, cache, first)
 
     def _push(self) -> None:
-        """Each pool's pending entries to the device: one copy of the changed values, one scatter."""
+        """Each pool's pending entries (and first/extent, when they moved) to the device: one staged
+        host buffer, one asynchronous copy from pinned memory, one scatter and one copy."""
         if self.device.type == "cpu":
             for pool in self._pools:
                 pool.pending.clear()
                 pool.scalars_dirty = False
             return
         for pool in self._pools:
+            rows = pool.host.shape[0]
             if pool.device is None or pool.device.shape != pool.host.shape:
                 pool.device = torch.from_numpy(pool.host).to(self.device)
-                pool.first_dev = torch.from_numpy(pool.first).to(self.device)
-                pool.extent_dev = torch.from_numpy(pool.extent).to(self.device)
+                pool.scalars_dev = torch.from_numpy(np.stack([pool.first, pool.extent])).to(self.device)
                 pool.pending.clear()
                 pool.scalars_dirty = False
                 continue
-            if pool.pending:
-                flat = np.unique(np.concatenate(pool.pending))
-                pool.pending.clear()
-                staged = torch.from_numpy(np.stack([flat, pool.host.reshape(-1)[flat].astype(np.int64)]))
-                staged = staged.to(self.device, non_blocking=False)
-                pool.device.view(-1).index_copy_(0, staged[0], staged[1].to(torch.int32))
+            if not pool.pending and not pool.scalars_dirty:
+                continue
+            flat = np.unique(np.concatenate(pool.pending)) if pool.pending else np.empty(0, dtype=np.int64)
+            pool.pending.clear()
+            n = flat.size
+            # [flat indices (n) | first (rows) | extent (rows) | the n int32 pages, two per int64 slot]
+            buf = np.empty(n + 2 * rows + (n + 1) // 2, dtype=np.int64)
+            buf[:n] = flat
+            buf[n : n + rows], buf[n + rows : n + 2 * rows] = pool.first, pool.extent
+            buf[n + 2 * rows :].view(np.int32)[:n] = pool.host.reshape(-1)[flat]
+            staged = torch.from_numpy(buf).pin_memory().to(self.device, non_blocking=True)
+            if n:
+                pool.device.view(-1).index_copy_(0, staged[:n], staged[n + 2 * rows :].view(torch.int32)[:n])
             if pool.scalars_dirty:
-                pool.first_dev.copy_(torch.from_numpy(pool.first))
-                pool.extent_dev.copy_(torch.from_numpy(pool.extent))
+                pool.scalars_dev.copy_(staged[n : n + 2 * rows].view(2, rows))
                 pool.scalars_dirty = False
 
     # -- reads --------------------------------------------------------------------------------
@@ -294,7 +361,7 @@ class DeviceBlockTable:
         rows = self.rows_tensor(request_ids)
         if self.device.type == "cpu":
             return RingTables(torch.from_numpy(p.host), torch.from_numpy(p.first), torch.from_numpy(p.extent), rows)
-        return RingTables(p.device, p.first_dev, p.extent_dev, rows)
+        return RingTables(p.device, p.scalars_dev[0], p.scalars_dev[1], rows)
 
     def host_row(self, pool: int, request_id: int) -> tuple[int, int, np.ndarray]:
         """``(first, extent, pages)`` of one request's live span in pool ``pool``, from the host mirror
@@ -311,17 +378,9 @@ class DeviceBlockTable:
         r = self._row_of[request_id]
         if self.device.type == "cpu":
             return self.host_row(pool, request_id)[2]
-        first, extent = int(p.first_dev[r]), int(p.extent_dev[r])
+        first, extent = int(p.scalars_dev[0, r]), int(p.scalars_dev[1, r])
         cols = torch.arange(first, max(first, extent), device=self.device) % p.device.shape[1]
         return p.device[r, cols].cpu().numpy()
 
 
-def _by_group(changes: list[tuple[int, int]]) -> list[tuple[int, np.ndarray]]:
-    """`(group, ordinal)` pairs as one ordinal array per group (plain Python: the lists are short)."""
-    groups: dict[int, list[int]] = {}
-    for g, o in changes:
-        groups.setdefault(g, []).append(o)
-    return [(g, np.array(ords, dtype=np.int64)) for g, ords in groups.items()]
-
-
-__all__ = ["DeviceBlockTable", "RingTables"]
+__all__ = ["DeviceBlockTable", "RingTables", "TableDelta"]

@@ -221,38 +221,40 @@ def write_block_offsets(
         dst_tensor[:, :num_seqs, :, :width].copy_(torch.from_numpy(offsets))
 
 
-def write_block_offset_entries(
-    layout: OffsetLayout, dst_tensor: torch.Tensor, caches: list[KVCache], entries: list[tuple[int, int, np.ndarray]]
+def write_block_offset_values(
+    layout: OffsetLayout, dst_tensor: torch.Tensor, rows: np.ndarray, pools: np.ndarray, ordinals: np.ndarray,
+    pages: np.ndarray,
 ) -> int:
     """Write single entries of upstream's layout into `dst_tensor` (`"cpp"` offsets, as
-    `write_block_offsets`): `entries` lists `(row, pool, ordinals)`, row `b` holding `caches[b]`.
-    One staging copy and one scatter per K/V half; returns the entries written (K and V counted)."""
-    entries = [(b, p, o) for b, p, o in entries if o.size]
-    if not entries:
+    `write_block_offsets`): ordinal `ordinals[i]` of pool `pools[i]` in batch row `rows[i]` is
+    backed by `pages[i]` (BAD_PAGE_INDEX: unbacked); int64 arrays, one entry per (row, pool,
+    ordinal), each ordinal below the destination's width.
+
+    K and V go in as one batch: on the CPU straight into the tensor's memory, on a device as
+    one staged buffer (flat indices and int32 values), one asynchronous copy from pinned memory
+    and one scatter. Returns the entries written (K and V counted)."""
+    if not rows.size:
         return 0
     kv = layout.kv_factor
     v_slot = 1 if kv > 1 else 0
-    rows: list[int] = []
-    pools: list[int] = []
-    ords: list[int] = []
-    pages: list[int] = []
-    for b, p, ordinals in entries:  # plain lists: a step changes a handful of entries per row
-        wanted = ordinals.tolist()
-        pages += caches[b].block_entries(p, wanted)
-        ords += wanted
-        rows += [b] * len(wanted)
-        pools += [p] * len(wanted)
-    pool_arr, page_arr = np.array(pools, dtype=np.int64), np.array(pages, dtype=np.int64)
     fills = np.array([_fill(layout, p, backend="cpp") for p in range(layout.num_pools)], dtype=np.int64)
-    values = np.where(page_arr >= 0, page_arr * kv, fills[pool_arr])
-    staged = torch.from_numpy(np.stack([pool_arr, np.array(rows, dtype=np.int64), np.array(ords, dtype=np.int64),
-                                        values]))
-    staged = staged.to(dst_tensor.device)
-    p_idx, b_idx, o_idx, k_vals = staged[0], staged[1], staged[2], staged[3]
-    zero = torch.zeros_like(p_idx)
-    dst_tensor.index_put_((p_idx, b_idx, zero, o_idx), k_vals.to(torch.int32))
-    dst_tensor.index_put_((p_idx, b_idx, zero + 1, o_idx), (k_vals + v_slot).to(torch.int32))
-    return 2 * int(p_idx.numel())
+    k_vals = np.where(pages >= 0, pages * kv, fills[pools])
+    s0, s1, s2, s3 = dst_tensor.stride()
+    k_at = pools * s0 + rows * s1 + ordinals * s3
+    flat = np.concatenate([k_at, k_at + s2])
+    values = np.concatenate([k_vals, k_vals + v_slot])
+    n = flat.size
+    # the tensor's memory from its first element to its last written one, by flat offset (any strides)
+    memory = torch.as_strided(dst_tensor, (int(flat.max()) + 1,), (1,))
+    if dst_tensor.device.type == "cpu":
+        memory.numpy()[flat] = values
+        return n
+    buf = np.empty(n + (n + 1) // 2, dtype=np.int64)  # [flat offsets (n) | n int32 values, two per slot]
+    buf[:n] = flat
+    buf[n:].view(np.int32)[:n] = values
+    staged = torch.from_numpy(buf).pin_memory().to(dst_tensor.device, non_blocking=True)
+    memory.index_copy_(0, staged[:n], staged[n:].view(torch.int32)[:n])
+    return n
 
 
 def check_copy_args(
@@ -310,5 +312,5 @@ def check_copy_args(
 
 __all__ = [
     "OffsetLayout", "block_offset_array", "block_tables", "check_copy_args", "get_block_offsets", "live_width",
-    "write_block_offset_entries", "write_block_offsets",
+    "write_block_offset_values", "write_block_offsets",
 ]

@@ -27,7 +27,7 @@ import torch
 
 from ..runtime import KVCache
 from . import export
-from .block_table import DeviceBlockTable
+from .block_table import DeviceBlockTable, TableDelta
 
 
 @dataclass
@@ -37,6 +37,9 @@ class _Written:
     ids: list[int]
     tensor: "weakref.ref[torch.Tensor]"
     version: int  # the storage's version counter right after our write
+    #: table row -> batch row (-1: none) of the rows the next call may update entry by entry; None when
+    #: the next call must work it out again
+    batch_row: np.ndarray | None
 
 
 def _key(dst: torch.Tensor) -> int:
@@ -69,21 +72,50 @@ class OffsetDestinations:
         before = self._written.get(key)
         if before is not None and (before.tensor() is not dst or before.version != dst._version):
             before = None  # another tensor at the same address, or written by someone else since
-        changes = None if before is None or before.width != width else table.changes_since(before.epoch)
-        full: list[int] = []
-        delta: list[tuple[int, int, np.ndarray]] = []  # (row, group, ordinals)
-        for b, rid in enumerate(ids):
-            same = changes is not None and b < len(before.ids) and before.ids[b] == rid
-            logged = changes.get(rid, []) if same else None
-            if logged is None:
-                full.append(b)
-            else:
-                delta.extend((b, g, ords[ords < width]) for g, ords in logged)
+        delta = None if before is None or before.width != width else table.changes_since(before.epoch)
+        if delta is None:
+            full, batch_row = list(range(len(ids))), None
+        elif ids == before.ids and before.batch_row is not None and delta.whole.isdisjoint(ids):
+            full, batch_row = [], before.batch_row  # the same rows as last time: only the logged entries
+        else:
+            # a row keeps its entries only where the same request sat last time, alone, not rewritten whole
+            seen: dict[int, int] = {}
+            for rid in ids:
+                seen[rid] = seen.get(rid, 0) + 1
+            old = before.ids
+            full = [b for b, rid in enumerate(ids)
+                    if b >= len(old) or old[b] != rid or seen[rid] > 1 or rid in delta.whole]
+            batch_row = np.full(table.num_rows, -1, dtype=np.int64)
+            kept = np.setdiff1d(np.arange(len(ids)), full)
+            if kept.size:
+                batch_row[[table.row_of(ids[b]) for b in kept.tolist()]] = kept
         entries = self._write_full(layout, dst, ids, caches, full, width, width_label)
-        entries += export.write_block_offset_entries(layout, dst, caches, delta)
+        if delta is not None and delta.entries:
+            entries += self._write_logged(layout, dst, delta, batch_row, width)
         self._written = {k: w for k, w in self._written.items() if w.tensor() is not None}
-        self._written[key] = _Written(table.epoch, width, list(ids), weakref.ref(dst), dst._version)
+        unchanged = before is not None and ids == before.ids
+        self._written[key] = _Written(
+            table.epoch, width, before.ids if unchanged else list(ids), weakref.ref(dst), dst._version,
+            None if full else batch_row,  # a row written whole may sit in another table row now
+        )
         self.last_entries, self.last_full_rows = entries, len(full)
+
+    @staticmethod
+    def _write_logged(layout: export.OffsetLayout, dst: torch.Tensor, delta: TableDelta, batch_row: np.ndarray,
+                      width: int) -> int:
+        """The delta's entries of the rows `batch_row` maps (table row -> batch row, -1: none), below `width`."""
+        g = np.concatenate([np.full(r.size, grp, dtype=np.int64) for grp, r, _, _ in delta.entries])
+        r, o, page = (np.concatenate([e[i] for e in delta.entries]) for i in (1, 2, 3))
+        b = np.where(r < batch_row.size, batch_row[np.minimum(r, batch_row.size - 1)], -1)
+        keep = (b >= 0) & (o < width)
+        if not keep.any():
+            return 0
+        # several syncs may log one entry: the last one holds its page now
+        g, b, o, page = g[keep], b[keep], o[keep], page[keep]
+        key = (g << 56) | (b << 36) | o
+        _, last = np.unique(key[::-1], return_index=True)
+        pick = key.size - 1 - last
+        return export.write_block_offset_values(layout, dst, b[pick], g[pick], o[pick], page[pick])
 
     @staticmethod
     def _write_full(

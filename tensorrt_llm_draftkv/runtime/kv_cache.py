@@ -7,7 +7,7 @@ pool, with BAD_PAGE_INDEX where nothing backs the ordinal.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Sequence
 
 from .layer_group import LayerGroup
 from .page_pool import BAD_PAGE_INDEX
@@ -32,6 +32,10 @@ class ResizePlan(NamedTuple):
     capacity: int
     history: int
     plans: list[GroupPlan] | None
+
+
+#: One chunk of a cache's change log: `(group, ordinals, pages)`, pages None for all unbacked.
+Change = tuple[int, Sequence[int], Optional[Sequence[int]]]
 
 
 class KVCache:
@@ -75,10 +79,13 @@ class KVCache:
         #: Derived data a consumer keeps per cache (the block-offset export keeps its
         #: numpy rows here), dropped with the cache. The cache never reads it.
         self.export_memo: dict = {}
-        #: `(group, ordinal)` of every row entry changed since the last `drain_changes`,
-        #: kept only once a consumer asked for it (`track_changes`): a table mirrored
-        #: elsewhere (the manager's device block table) then costs O(changed) per step.
-        self._changes: list[tuple[int, int]] | None = None
+        #: `(group, ordinals, pages)` chunks, in the order the entries changed, since the last
+        #: `drain_changes` (see there), kept only once a consumer asked for it (`track_changes`):
+        #: a table mirrored elsewhere (the manager's device block table) then costs O(changed).
+        self._changes: list[Change] | None = None
+        #: the consumer's set of caches with undrained changes (`track_changes(sink=)`): this cache
+        #: adds itself on every logged change, so the consumer visits only the caches that changed
+        self._change_sink: set | None = None
 
     # -- queries ----------------------------------------------------------------
     @property
@@ -113,6 +120,11 @@ class KVCache:
         n = len(row)
         return [row[o] if 0 <= o < n else BAD_PAGE_INDEX for o in ordinals]
 
+    def block_entry(self, group: int, ordinal: int) -> int:
+        """The page of one ordinal (BAD_PAGE_INDEX where unbacked or past the row)."""
+        row = self._rows[group]
+        return row[ordinal] if 0 <= ordinal < len(row) else BAD_PAGE_INDEX
+
     def settled_blocks(self, group: int) -> int:
         """Block ordinals below this keep their entry in every later state of the row (a
         rollback may lower it again: it describes the state the cache is in now)."""
@@ -128,18 +140,36 @@ class KVCache:
         return o
 
     # -- the change log (a mirror of the rows kept elsewhere) ---------------------------
-    def track_changes(self) -> None:
-        """Start logging every changed row entry; what was logged before is dropped."""
+    def track_changes(self, sink: set | None = None) -> None:
+        """Start logging every changed row entry; what was logged before is dropped.
+
+        `sink`: a set this cache adds itself to whenever it logs a change (until the
+        consumer drains it), so a consumer of many caches finds the changed ones
+        without visiting the rest."""
         self._changes = []
+        self._change_sink = sink
+
+    def stop_tracking(self) -> None:
+        """Stop logging (the consumer let go of this cache); what was logged is dropped."""
+        if self._change_sink is not None:
+            self._change_sink.discard(self)
+        self._changes = None
+        self._change_sink = None
+
+    def _logged(self) -> None:
+        if self._change_sink is not None and self._changes:
+            self._change_sink.add(self)
 
     @property
     def has_pending_changes(self) -> bool:
         """Logged changes not drained yet."""
         return bool(self._changes)
 
-    def drain_changes(self) -> list[tuple[int, int]]:
-        """`(group, ordinal)` of the entries changed since the last call (repeats possible; an
-        ordinal past a row's end was cut off). Empty when nothing changed or nothing is tracked."""
+    def drain_changes(self) -> list[Change]:
+        """`(group, ordinals, pages)` chunks of the entries changed since the last call, in the order
+        they changed: ordinal `ordinals[i]` was set to `pages[i]` (`pages` None: every one to
+        BAD_PAGE_INDEX; an ordinal cut off the row's end counts as BAD_PAGE_INDEX). An ordinal may
+        repeat: its last entry is its page now. Empty when nothing changed or nothing is tracked."""
         log = self._changes
         if not log:
             return []
@@ -265,12 +295,14 @@ class KVCache:
         old_len = len(row)
         saved = [(o, row[o]) for o in plan.clear]
         log = self._changes
-        if log is not None:
-            log.extend((g, o) for o in plan.clear)
-            log.extend((g, o) for o in plan.allocate)
-            # the row's new or cut-off tail too: an ordinal that grows in unbacked (a window's stale
-            # range) must read as unbacked in a mirror that last saw another row in that place
-            log.extend((g, o) for o in range(min(plan.new_len, old_len), max(plan.new_len, old_len)))
+        if log is not None:  # whole chunks, not pairs: this runs for every step that crosses a page
+            # the row's new or cut-off tail first (unbacked: an ordinal that grows in unbacked, a
+            # window's stale range, must read so in a mirror that last saw another row in that place),
+            # then what loses its page, then what gets one
+            log.append((g, range(min(plan.new_len, old_len), max(plan.new_len, old_len)), None))
+            log.append((g, plan.clear, None))
+            log.append((g, plan.allocate, pages))
+            self._logged()
         if plan.new_len < old_len:
             saved += [(o, row[o]) for o in range(plan.new_len, old_len)]
             del row[plan.new_len :]
@@ -413,7 +445,8 @@ class KVCache:
             group.pool.share([p for p in rows[g] if p != BAD_PAGE_INDEX], owner=self.owner)
             self._rows[g] = list(rows[g])
             if self._changes is not None:
-                self._changes.extend((g, o) for o in range(len(rows[g])))
+                self._changes.append((g, range(len(rows[g])), list(rows[g])))
+                self._logged()
             self._held[g] = sum(1 for p in rows[g] if p != BAD_PAGE_INDEX)
             self.keys.adopt(g, keys[g][:n])
         self._settled = settled
@@ -434,7 +467,7 @@ class KVCache:
         self.closed = True
         self.version += 1
         self.export_memo = {}
-        self._changes = None
+        self.stop_tracking()
 
     def checkpoint(self) -> tuple:
         """Everything that defines this cache, immutable: what a test compares for bit-identity
@@ -471,9 +504,14 @@ class KVCache:
         log = self._changes
         for undo in reversed(records):
             for g, (row, (old_len, saved)) in enumerate(zip(self._rows, undo.rows)):
-                if log is not None:
-                    log.extend((g, o) for o, _ in saved)
-                    log.extend((g, o) for o in range(min(old_len, len(row)), max(old_len, len(row))))
+                if log is not None:  # in the order of the edits below: grown tail, restored entries, cut tail
+                    tail = (g, range(min(old_len, len(row)), max(old_len, len(row))), None)
+                    if len(row) < old_len:
+                        log.append(tail)
+                    log.append((g, [o for o, _ in reversed(saved)], [page for _, page in reversed(saved)]))
+                    if len(row) > old_len:
+                        log.append(tail)
+                    self._logged()
                 if len(row) < old_len:
                     row.extend([BAD_PAGE_INDEX] * (old_len - len(row)))
                 for o, page in reversed(saved):

@@ -226,3 +226,65 @@ def test_a_destination_written_by_someone_else_or_replaced_is_written_whole():
     mgr.copy_batch_block_offsets(fresh, [1, 2], 1, 0, 2, max_blocks=20)
     assert mgr.offset_destinations.last_full_rows == 2
     assert torch.equal(fresh, dst)
+
+
+def _with_requests(ids: tuple[int, ...]) -> KVCacheManagerV2:
+    """A manager (windowed group without sinks, full group) holding these requests at 20 tokens, 19 of history."""
+    mgr = _manager(window=12, sinks=0, pages=(40, 80))
+    for rid in ids:
+        cache = mgr.caches.new(rid)
+        assert cache.resize(20, 19)
+        mgr.caches[rid] = cache
+    return mgr
+
+
+def test_a_sync_visits_only_the_caches_that_changed_and_catches_up_absent_ones():
+    """After the first sync, a step that changes one request's row writes only that row's entries, even
+    when the request is outside the synced batch (every attached cache reports its own changes); a freed
+    request's cache no longer reports to the table."""
+    mgr = _with_requests((1, 2, 3))
+    table = mgr.sync_block_table([1, 2, 3])
+    assert mgr.sync_block_table([1, 2, 3]) is table and table.sync([1, 2, 3], mgr.caches.require([1, 2, 3], "t")) == 0
+    two = mgr.get_cache(2)
+    assert two.resize(two.capacity + P, two.history_length + P)  # one page more (and one released)
+    written = table.sync([1], mgr.caches.require([1], "t"))  # request 2 is not in this batch
+    assert 0 < written <= 2 * 3
+    check_rows(table, mgr, [1, 2, 3])
+    assert table.sync([2], mgr.caches.require([2], "t")) == 0  # already caught up
+    mgr.free_resources(_Req(3))
+    table.forget(3)
+    assert table.sync([1, 2], mgr.caches.require([1, 2], "t")) == 0
+    check_rows(table, mgr, [1, 2])
+
+
+def test_a_kept_destination_with_a_request_in_two_rows_updates_both():
+    """An id that fills two rows of the batch (a padded batch, say) has both rows rewritten when it changes."""
+    mgr = _with_requests((1, 2))
+    dst = torch.full((2, 3, 2, 20), -7, dtype=torch.int32)
+    ids = [1, 2, 1]
+    mgr.copy_batch_block_offsets(dst, ids, 1, 0, 3, max_blocks=20)
+    one = mgr.get_cache(1)
+    assert one.resize(one.capacity + 2 * P, one.history_length + 2 * P)
+    mgr.copy_batch_block_offsets(dst, ids, 1, 0, 3, max_blocks=20)
+    assert torch.equal(dst, mgr.get_block_offsets(ids, "cpp", width=20))
+
+
+def test_changed_entries_land_in_a_strided_view_and_nowhere_else():
+    """A destination that is a view into a wider tensor (rows and columns offset): the delta writes follow its
+    strides; every element of the base outside the view keeps its poison."""
+    mgr = _with_requests((1, 2))
+    base = torch.full((2, 4, 2, 30), -9, dtype=torch.int32)
+    dst = base[:, 1:3, :, 3:23]
+    inside = torch.zeros_like(base, dtype=torch.bool)
+    inside[:, 1:3, :, 3:23] = True
+    delta_writes = 0
+    for step in range(12):
+        for rid in (1, 2):
+            cache = mgr.get_cache(rid)
+            assert cache.resize(min(cache.capacity + 3, 20 * P), min(cache.history_length + 3, 20 * P - 1))
+        mgr.copy_batch_block_offsets(dst, [1, 2], 1, 0, 2, max_blocks=20)
+        if step:
+            delta_writes += mgr.offset_destinations.last_entries > 0 and mgr.offset_destinations.last_full_rows == 0
+        assert torch.equal(dst, mgr.get_block_offsets([1, 2], "cpp", width=20)), step
+        assert bool((base[~inside] == -9).all()), step
+    assert delta_writes >= 5
