@@ -19,6 +19,7 @@ the same by hand.
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -40,6 +41,27 @@ class _Written:
     #: table row -> batch row (-1: none) of the rows the next call may update entry by entry; None when
     #: the next call must work it out again
     batch_row: np.ndarray | None
+    #: the last few writes into this tensor that changed something, oldest first, and the numbers
+    #: they are complete between: every changing write numbered in (floor, serial] is in `log`
+    log: deque["Write"]
+    floor: int
+    serial: int
+
+
+@dataclass(frozen=True)
+class Write:
+    """What one `copy_batch_block_offsets` call changed in a destination: batch rows written whole,
+    and single entries `(rows[i], pools[i], ordinals[i])` (K and V both; int64 arrays)."""
+
+    serial: int
+    full: tuple[int, ...]
+    rows: np.ndarray
+    pools: np.ndarray
+    ordinals: np.ndarray
+
+
+_EMPTY = np.empty(0, dtype=np.int64)
+_NO_ENTRIES = (_EMPTY, _EMPTY, _EMPTY)
 
 
 def _key(dst: torch.Tensor) -> int:
@@ -51,6 +73,7 @@ class OffsetDestinations:
 
     def __init__(self) -> None:
         self._written: dict[tuple, _Written] = {}
+        self._serial = 0  # numbers every write, across destinations
         #: entries written by the last call (K and V each counted): what the call cost
         self.last_entries = 0
         #: rows the last call wrote whole
@@ -90,32 +113,71 @@ class OffsetDestinations:
             if kept.size:
                 batch_row[[table.row_of(ids[b]) for b in kept.tolist()]] = kept
         entries = self._write_full(layout, dst, ids, caches, full, width, width_label)
+        single = _NO_ENTRIES
         if delta is not None and delta.entries:
-            entries += self._write_logged(layout, dst, delta, batch_row, width)
+            single = self._write_logged(layout, dst, delta, batch_row, width)
+            entries += 2 * single[0].size
         self._written = {k: w for k, w in self._written.items() if w.tensor() is not None}
         unchanged = before is not None and ids == before.ids
+        self._serial += 1
+        # a tensor trusted anew is known only from this write on (someone else may have written anywhere)
+        log, floor = (before.log, before.floor) if before is not None else (deque(maxlen=8), self._serial)
+        if full or single[0].size:
+            if len(log) == log.maxlen:
+                floor = log[0].serial  # forgotten: a reader from before it must decode everything
+            log.append(Write(self._serial, tuple(full), *single))
         self._written[key] = _Written(
             table.epoch, width, before.ids if unchanged else list(ids), weakref.ref(dst), dst._version,
             None if full else batch_row,  # a row written whole may sit in another table row now
+            log, floor, self._serial,
         )
         self.last_entries, self.last_full_rows = entries, len(full)
 
+    def serial(self, dst: torch.Tensor) -> int | None:
+        """The number of the last write into `dst`, if this manager wrote it last and nobody since."""
+        w = self._trusted(dst)
+        return None if w is None else w.serial
+
+    def written_since(self, dst: torch.Tensor, serial: int) -> tuple[set[int], np.ndarray, np.ndarray, np.ndarray] | None:
+        """What the writes into `dst` after write `serial` changed: `(rows written whole, rows, pools,
+        ordinals)` of the single entries (batch rows, absolute block ordinals, repeats possible); None
+        when that is not known (never written by this manager, written by someone else since, or those
+        writes no longer remembered). Lets a reader of `dst` (the DFlash worker's decoded tables)
+        follow it at the cost of what changed."""
+        w = self._trusted(dst)
+        if w is None or not w.floor <= serial <= w.serial:
+            return None
+        later = [e for e in w.log if e.serial > serial]
+        if not later:
+            return set(), _EMPTY, _EMPTY, _EMPTY
+        full = set().union(*(e.full for e in later))
+        return (full, *(np.concatenate([getattr(e, a) for e in later]) for a in ("rows", "pools", "ordinals")))
+
+    def _trusted(self, dst: torch.Tensor) -> "_Written | None":
+        w = self._written.get(_key(dst))
+        if w is None or w.tensor() is not dst or w.version != dst._version:
+            return None
+        return w
+
     @staticmethod
     def _write_logged(layout: export.OffsetLayout, dst: torch.Tensor, delta: TableDelta, batch_row: np.ndarray,
-                      width: int) -> int:
-        """The delta's entries of the rows `batch_row` maps (table row -> batch row, -1: none), below `width`."""
+                      width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The delta's entries of the rows `batch_row` maps (table row -> batch row, -1: none), below `width`;
+        returns the `(rows, pools, ordinals)` written."""
         g = np.concatenate([np.full(r.size, grp, dtype=np.int64) for grp, r, _, _ in delta.entries])
         r, o, page = (np.concatenate([e[i] for e in delta.entries]) for i in (1, 2, 3))
         b = np.where(r < batch_row.size, batch_row[np.minimum(r, batch_row.size - 1)], -1)
         keep = (b >= 0) & (o < width)
         if not keep.any():
-            return 0
+            return _NO_ENTRIES
         # several syncs may log one entry: the last one holds its page now
         g, b, o, page = g[keep], b[keep], o[keep], page[keep]
         key = (g << 56) | (b << 36) | o
         _, last = np.unique(key[::-1], return_index=True)
         pick = key.size - 1 - last
-        return export.write_block_offset_values(layout, dst, b[pick], g[pick], o[pick], page[pick])
+        b, g, o = b[pick], g[pick], o[pick]
+        export.write_block_offset_values(layout, dst, b, g, o, page[pick])
+        return b, g, o
 
     @staticmethod
     def _write_full(

@@ -8,9 +8,11 @@ store against the request's own mirror, and writes.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from ..kernels import ring_entries
@@ -45,6 +47,10 @@ class PoolBinding:
     owned: list[Any] = field(default_factory=list)
     owned_ids: list[int] = field(default_factory=list)
     refreshed_step: int = -1
+    #: the offsets the tables were last decoded from: (tensor, the manager's write number, width, rows)
+    decoded: Optional[tuple] = None
+    #: rows the last `decode` decoded whole (the rest: only the entries the manager changed)
+    rows_decoded_whole: int = 0
 
     @property
     def device(self) -> torch.device:
@@ -52,22 +58,68 @@ class PoolBinding:
 
     # ------------------------------------------------------------------ tables
     def decode(self, src: torch.Tensor, num_seqs: int) -> None:
-        """`src[p, :num_seqs, 0]` (`page * kv_factor + k`, negative = unbacked) -> `tables[p][:num_seqs]`."""
+        """`src[p, :num_seqs, 0]` (`page * kv_factor + k`, negative = unbacked) -> `tables[p][:num_seqs]`.
+
+        When the draft manager wrote `src` (`copy_batch_block_offsets`) and nobody else has since,
+        only what its writes changed since the last decode is decoded again: the tables stay what a
+        whole decode would give, at the cost of what changed (nothing, on most steps)."""
         if src.dim() != 4 or src.shape[0] < len(self.tables) or src.shape[1] < num_seqs:
             raise ValueError(
                 f"DFlashWorker: draft block offsets of shape {tuple(src.shape)} do not cover "
                 f"{len(self.tables)} pools x {num_seqs} rows x 2 x width"
             )
-        for p, table in enumerate(self.tables):
-            encoded = src[p, :num_seqs, 0].to(device=self.device, dtype=torch.int64)
-            width = encoded.shape[-1]
-            if width > table.shape[1]:  # a wider export than any before: grow once, keep the rows
-                grown = torch.zeros(table.shape[0], width, dtype=torch.int32, device=self.device)
-                grown[:, : table.shape[1]] = table
-                self.tables[p] = table = grown
-            self.counts[p][:num_seqs] = (encoded >= 0).sum(dim=1)
-            table[:num_seqs].zero_()
-            table[:num_seqs, :width] = encoded.clamp(min=0).div(self.kv_factor, rounding_mode="floor").to(torch.int32)
+        writes = self.manager.offset_destinations if self.manager is not None else None
+        last = self.decoded
+        since = None
+        if writes is not None and last is not None and last[0]() is src and last[2] == src.shape[-1]:
+            since = writes.written_since(src, last[1])
+        if since is None:
+            self.rows_decoded_whole = num_seqs
+            for p in range(len(self.tables)):
+                self._decode_rows(src, p, torch.arange(num_seqs, device=self.device), num_seqs)
+        else:
+            full, rows, pools, ordinals = since
+            full = sorted({b for b in full if b < num_seqs} | set(range(last[3], num_seqs)))
+            self.rows_decoded_whole = len(full)
+            keep = (rows < num_seqs) & ~np.isin(rows, full)
+            rows, pools, ordinals = rows[keep], pools[keep], ordinals[keep]
+            for p in range(len(self.tables)):
+                if full:
+                    self._decode_rows(src, p, torch.tensor(full, device=self.device), num_seqs)
+                mine = pools == p
+                if mine.any():
+                    self._decode_entries(src, p, rows[mine], ordinals[mine])
+        serial = writes.serial(src) if writes is not None else None
+        self.decoded = None if serial is None else (weakref.ref(src), serial, src.shape[-1], num_seqs)
+
+    def _decode_rows(self, src: torch.Tensor, p: int, rows: torch.Tensor, num_seqs: int) -> None:
+        """Whole rows of pool p's table (and their counts) from `src`; entries past its width read page 0."""
+        encoded = src[p, :num_seqs, 0].index_select(0, rows.to(src.device)).to(device=self.device, dtype=torch.int64)
+        width = encoded.shape[-1]
+        table = self.tables[p]
+        if width > table.shape[1]:  # a wider export than any before: grow once, keep the rows
+            grown = torch.zeros(table.shape[0], width, dtype=torch.int32, device=self.device)
+            grown[:, : table.shape[1]] = table
+            self.tables[p] = table = grown
+        self.counts[p][rows] = (encoded >= 0).sum(dim=1)
+        decoded = torch.zeros(rows.numel(), table.shape[1], dtype=torch.int32, device=self.device)
+        decoded[:, :width] = encoded.clamp(min=0).div(self.kv_factor, rounding_mode="floor").to(torch.int32)
+        table[rows] = decoded
+
+    def _decode_entries(self, src: torch.Tensor, p: int, rows: np.ndarray, ordinals: np.ndarray) -> None:
+        """Single entries of pool p's table from `src` (the manager's "cpp" offsets: never negative, so
+        the row counts stay)."""
+        table = self.tables[p]
+        s0, s1, _, s3 = src.stride()
+        at_src = p * s0 + rows * s1 + ordinals * s3
+        at_table = rows * table.stride(0) + ordinals
+        index = torch.from_numpy(np.concatenate([at_src, at_table]))
+        if self.device.type != "cpu":
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        n = rows.size
+        memory = torch.as_strided(src, (int(at_src.max()) + 1,), (1,))
+        values = memory.index_select(0, index[:n]).long().clamp(min=0).div(self.kv_factor, rounding_mode="floor")
+        table.view(-1).index_copy_(0, index[n:], values.to(torch.int32))
 
     def pages_for(self, rows: torch.Tensor, positions: torch.Tensor) -> dict[int, torch.Tensor]:
         """Pool -> int64 `[n]` page of each `(row, position)`; -1 past the table's width."""

@@ -51,7 +51,8 @@ HIDDEN = 2 * H * D
 class Rig:
     """A windowed draft manager, its worker and metadata, and the attention metadata an executor fills."""
 
-    def __init__(self, pages: int = 64, max_seq: int = 1024, device: str = "cpu") -> None:
+    def __init__(self, pages: int = 64, max_seq: int = 1024, device: str = "cpu", keep_offsets: bool = False) -> None:
+        self.keep_offsets = keep_offsets  # one offsets tensor for every step, as an executor keeps it
         spec = DFlashDecodingConfig(max_draft_len=K)
         self.draft = KVCacheManagerV2(
             KvCacheConfig(max_tokens=pages * P, max_attention_window=[WINDOW], enable_block_reuse=False),
@@ -75,8 +76,10 @@ class Rig:
         """prepare_resources, the attention metadata's offsets, spec_metadata.prepare(), the table refresh."""
         self.draft.prepare_resources(batch)
         ids = [r.py_request_id for r in batch.all_requests()]
-        dst = torch.zeros((self.draft.num_pools, MAX_BATCH, 2, self.draft.config.max_blocks_per_seq), dtype=torch.int32,
-                          device=self.buf.device)
+        dst = self.attn.draft_kv_cache_block_offsets if self.keep_offsets else None
+        if dst is None:
+            dst = torch.full((self.draft.num_pools, MAX_BATCH, 2, self.draft.config.max_blocks_per_seq), -5,
+                             dtype=torch.int32, device=self.buf.device)
         self.draft.copy_batch_block_offsets(dst, ids, 1, len(batch.context_requests), len(ids))
         self.attn.draft_kv_cache_block_offsets, self.attn.request_ids = dst, ids
         self.attn.num_contexts = len(batch.context_requests)
@@ -209,6 +212,42 @@ def test_the_refreshed_table_is_the_export_decoded():
     table = rig.worker._ctx_block_tables[0, : len(row)].tolist()
     assert table == [max(p, 0) for p in row]  # cpp export: released entries read as page 0
     assert row[0] == -1 and row[-1] >= 0
+
+
+def _decoded_whole(offsets: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle: pool 0's rows [0, n) decoded entry by entry, and their counts of non-negative entries."""
+    rows = offsets[0, :n, 0].tolist()
+    return (torch.tensor([[max(e, 0) // 2 for e in row] for row in rows], dtype=torch.int32),
+            torch.tensor([sum(e >= 0 for e in row) for row in rows]))
+
+
+def test_tables_refreshed_from_a_kept_offsets_tensor_decode_only_what_changed():
+    """An executor's kept offsets tensor: after every refresh the worker's tables (and counts) equal a whole
+    decode of it, most steps decode no row whole, and a write to the tensor by anyone else (or a batch that
+    changes) gets whole rows again."""
+    rig = Rig(keep_offsets=True)
+    a, b, c = req(1, 61, 32), req(2, 20, 32), req(3, 45, 45)
+    prefill(rig, a, b, c, chunk=32)
+    batch = ScheduledRequests(generation_requests=[a, b, c])
+    pool = rig.worker._bound()
+    quiet = 0
+    for step in range(16):
+        rig.generation_step(batch, {1: step % 4, 2: (step + 1) % 4, 3: 3})
+        n = len(batch.generation_requests)
+        tables, counts = _decoded_whole(rig.attn.draft_kv_cache_block_offsets, n)
+        width = tables.shape[1]
+        assert torch.equal(rig.worker._ctx_block_tables[:n, :width].cpu(), tables), step
+        assert torch.equal(pool.counts[0][:n].cpu(), counts), step
+        quiet += pool.rows_decoded_whole == 0
+        if step == 9:  # someone else writes into the tensor: the next refresh decodes every row
+            rig.attn.draft_kv_cache_block_offsets[0, 1, 0, 0] = 6
+        if step == 10:
+            assert pool.rows_decoded_whole == n
+    assert quiet >= 10
+    rig.generation_step(ScheduledRequests(generation_requests=[c, a]), {1: 1, 3: 1})  # rows swapped
+    assert pool.rows_decoded_whole == 2
+    tables, _ = _decoded_whole(rig.attn.draft_kv_cache_block_offsets, 2)
+    assert torch.equal(rig.worker._ctx_block_tables[:2, : tables.shape[1]].cpu(), tables)
 
 
 def test_refresh_errors_say_what_is_missing():
