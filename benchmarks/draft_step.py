@@ -48,6 +48,8 @@ from tensorrt_llm_draftkv.manager.budget import group_pages_per_request  # noqa:
 
 P, W, K = 32, 4096, 7
 ACCEPTED = 3  # tokens each request takes per step (two drafts and the bonus token)
+#: untimed steps first: every path (a page crossed, a page released) and every kernel specialisation seen once
+WARMUP = 12
 PHASES = ("mgr prepare", "offsets", "meta prepare", "refresh", "gen prep", "mgr update")
 
 
@@ -118,7 +120,7 @@ def step(s: SimpleNamespace, clock: dict[str, float] | None) -> None:
 def measure(batch: int, prompt: int, device: str, steps: int) -> dict[str, float]:
     """Mean µs per step of each phase, and of the whole step (also per request)."""
     s = build(batch, prompt, device)
-    for _ in range(3):
+    for _ in range(WARMUP):
         step(s, None)
     gc.collect()
     gc.freeze()  # the set-up (B x prompt token ids) out of the collector's walks, as serving engines do
@@ -133,12 +135,12 @@ def measure(batch: int, prompt: int, device: str, steps: int) -> dict[str, float
 
 
 def profile(batch: int, prompt: int, device: str, steps: int = 20) -> None:
-    """Where one case's host time goes, function by function (cProfile, after three warm-up steps)."""
+    """Where one case's host time goes, function by function (cProfile, after the warm-up steps)."""
     import cProfile
     import pstats
 
     s = build(batch, prompt, device)
-    for _ in range(3):
+    for _ in range(WARMUP):
         step(s, None)
     gc.collect()
     gc.freeze()
@@ -149,7 +151,8 @@ def profile(batch: int, prompt: int, device: str, steps: int = 20) -> None:
     prof.disable()
     gc.unfreeze()
     print(f"device {device}, B {batch}, prompt {prompt}, {steps} steps")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
 
 
 def main() -> None:
@@ -158,7 +161,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", help="write every figure to this file")
     parser.add_argument("--profile", metavar="B,PROMPT",
-                        help="instead of the table: cProfile 20 steps of this one case, top 30 by own time")
+                        help="instead of the table: cProfile 20 steps of this one case (top functions by own and by total time)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.profile:

@@ -5,12 +5,15 @@ tables and extents; ``rebase_block_table`` shifts rows past their base pages;
 ``prepare_paged_latent`` does a DFlash generation step's whole preparation in
 one launch, from decoded tables (two-step form) or straight from the exported
 block offsets (one-pass form: decode, extents, rebase and preparation in one
-pass) or straight from a manager's device block table (ring form); ``BoundPreparation`` relaunches one one-pass call over fixed tensors
-without re-checking it. Each has a ``*_reference`` twin in plain torch; see ``spec_tail_kernels.py`` for
-the coordinates and the dispatch rules.
+pass) or straight from a manager's device block table (ring form).
+``BoundPreparation`` and ``BoundRingPreparation`` relaunch one one-pass or ring
+call over fixed tensors without checking it again. Each kernel has a
+``*_reference`` twin in plain torch; see ``spec_tail_kernels.py`` for the
+coordinates and the dispatch rules.
 """
 from ._dispatch import HAVE_TRITON, LAUNCH_COUNTS, triton_runs
 from .bound_preparation import BoundPreparation
+from .bound_ring import BoundRingPreparation
 from .reference import ring_entries
 from .spec_tail_kernels import (
     BlockTables,
@@ -28,6 +31,7 @@ from .spec_tail_kernels import (
 
 __all__ = [
     "BoundPreparation",
+    "BoundRingPreparation",
     "HAVE_TRITON",
     "LAUNCH_COUNTS",
     "BlockTables",

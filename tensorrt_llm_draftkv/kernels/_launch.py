@@ -93,21 +93,7 @@ def launch_fast(kern: Any, device_index: int, grid: tuple[int, int], args: Seque
     if hooked():
         launch_normal(kern, grid, args, meta)
         return None
-    key = [id(kern), device_index]
-    vals = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            p = a.data_ptr()
-            key.append(a.dtype)
-            key.append((p & 15) == 0)
-            vals.append(p)
-        else:
-            a = int(a)
-            key.append((a == 1, a & 15 == 0, _I32_LO <= a < _I32_HI))
-            vals.append(a)
-    for v in meta.items():
-        key.append(v)
-    k = tuple(key)
+    k, vals = _launch_class(kern, device_index, args, meta)
     ck = _CACHE.get(k)
     if ck is None:
         ck = launch_normal(kern, grid, args, meta)
@@ -122,6 +108,37 @@ def launch_fast(kern: Any, device_index: int, grid: tuple[int, int], args: Seque
         grid[0], grid[1], 1, raw_stream(device_index), ck.function, ck.packed_metadata, None, None, None, *vals
     )
     return ck
+
+
+def _launch_class(kern: Any, device_index: int, args: Sequence, meta: dict) -> tuple[tuple, list]:
+    """The launch class of a launch, and its arguments as the launcher takes them (pointers, ints)."""
+    key: list = [id(kern), device_index]
+    vals = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            p = a.data_ptr()
+            key.append(a.dtype)
+            key.append((p & 15) == 0)
+            vals.append(p)
+        else:
+            a = int(a)
+            key.append((a == 1, a & 15 == 0, _I32_LO <= a < _I32_HI))
+            vals.append(a)
+    for v in meta.items():
+        key.append(v)
+    return tuple(key), vals
+
+
+def resolve(kern: Any, device_index: int, args: Sequence, meta: dict) -> Any:
+    """``(run, launcher arguments after the stream)`` of a launch whose class was launched before
+    (``launch_fast``), every pointer taken now; None when it was not. ``run(grid0, grid1, 1, stream,
+    *arguments)`` then repeats that very launch: what a caller with fixed tensors relaunches."""
+    k, vals = _launch_class(kern, device_index, args, meta)
+    ck = _CACHE.get(k)
+    if ck is None:
+        return None
+    vals.extend(meta[name] for name in _meta_order(kern, len(args)))
+    return ck.run, (ck.function, ck.packed_metadata, None, None, None, *vals)
 
 
 def cached_classes() -> int:
@@ -140,4 +157,4 @@ def clear() -> None:
 ON_CLEAR: list = []
 
 
-__all__ = ["ENABLED", "cached_classes", "clear", "launch_fast", "launch_normal"]
+__all__ = ["ENABLED", "cached_classes", "clear", "launch_fast", "launch_normal", "resolve"]

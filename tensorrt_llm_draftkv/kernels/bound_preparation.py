@@ -33,7 +33,39 @@ from .reference import PagedLatentPrep
 _ONE_PASS = "prepare_paged_latent_one_pass"
 
 
-class BoundPreparation:
+class BoundLaunch:
+    """A step preparation over fixed tensors: the first call (or the first after :meth:`rebind`) is the
+    subclass's checked call (`_checked`, which resolves `_bound`); the next ones relaunch it."""
+
+    #: the kernel's name in `LAUNCH_COUNTS`
+    kernel = ""
+    out: PagedLatentPrep
+    _bound: Optional[tuple] = None
+
+    def rebind(self) -> None:
+        """Forget the resolved launch (after a bound tensor's storage changed); the next call checks again."""
+        self._bound = None
+
+    @property
+    def is_bound(self) -> bool:
+        """Whether the next call relaunches without checks (CUDA, after a first checked call)."""
+        return self._bound is not None
+
+    def __call__(self) -> PagedLatentPrep:
+        """Launch the step; returns ``out``. No host synchronisation; capturable in a CUDA graph."""
+        bound = self._bound
+        if bound is not None and not _fl.hooked() and torch.cuda.current_device() == bound[2]:
+            run, grid, index, args = bound
+            run(grid[0], grid[1], 1, _fl.raw_stream(index), *args)
+            _dispatch.LAUNCH_COUNTS[self.kernel] += 1
+            return self.out
+        return self._checked()
+
+    def _checked(self) -> PagedLatentPrep:
+        raise NotImplementedError
+
+
+class BoundPreparation(BoundLaunch):
     """``prepare_paged_latent``'s one-pass form over fixed tensors; calling it launches the step.
 
     Arguments are those of :func:`prepare_paged_latent`'s one-pass form (the
@@ -43,6 +75,8 @@ class BoundPreparation:
     The first call (or the first after :meth:`rebind`) is a checked call; the
     next ones relaunch it.
     """
+
+    kernel = _ONE_PASS
 
     def __init__(
         self,
@@ -73,25 +107,6 @@ class BoundPreparation:
                         max_new=max_new, pool_idx=pool_idx, divisor=divisor, backend=backend, impl=impl, **tune)
         self._bound: Optional[tuple] = None
 
-    def rebind(self) -> None:
-        """Forget the resolved launch (after a bound tensor's storage changed); the next call checks again."""
-        self._bound = None
-
-    @property
-    def is_bound(self) -> bool:
-        """Whether the next call relaunches without checks (CUDA, after a first checked call)."""
-        return self._bound is not None
-
-    def __call__(self) -> PagedLatentPrep:
-        """Launch the step; returns ``out``. No host synchronisation; capturable in a CUDA graph."""
-        bound = self._bound
-        if bound is not None and not _fl.hooked() and torch.cuda.current_device() == bound[2]:
-            run, grid, index, args = bound
-            run(grid[0], grid[1], 1, _fl.raw_stream(index), *args)
-            _dispatch.LAUNCH_COUNTS[_ONE_PASS] += 1
-            return self.out
-        return self._checked()
-
     def _checked(self) -> PagedLatentPrep:
         kw = self._kw
         got = _api.prepare_paged_latent(None, None, *self.vectors, block_offsets=self.block_offsets, out=self.out,
@@ -102,4 +117,4 @@ class BoundPreparation:
         return got
 
 
-__all__ = ["BoundPreparation"]
+__all__ = ["BoundLaunch", "BoundPreparation"]

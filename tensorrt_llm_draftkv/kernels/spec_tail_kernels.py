@@ -368,19 +368,27 @@ def _prepare_ring(
         out = PagedLatentPrep.empty(B, width, kw["block_size"], kw["max_new"], device=dev)
     if B == 0:
         return out
+    grid, args, meta = ring_launch(tensors, out, kw, block, num_warps)
+    _dispatch.launch("prepare_paged_latent_ring", dev, grid, args, fast_launch, **meta)
+    return out
+
+
+def ring_launch(
+    tensors: tuple[torch.Tensor, ...], out: PagedLatentPrep, kw: dict, block: Optional[int], num_warps: Optional[int]
+) -> tuple[tuple[int, int], tuple, dict]:
+    """``(grid, args, constexprs)`` of the ring form's launch over checked arguments (``B > 0``)."""
+    tables = tensors[0]
+    C = tables.shape[1]
+    B = tensors[2].shape[0]
     out_w = out.read_rows.shape[1]
-    blk = pick_block(B, out_w, block, dev.type != "cuda")
-    _dispatch.launch(
-        "prepare_paged_latent_ring",
-        dev,
-        (B, max(1, -(-out_w // blk))),
-        (
-            tables, vec(tensors[1]), vec(tensors[3]), vec(tensors[2]), *(vec(t) for t in tensors[4:]),
-            out.read_rows, out.read_lens, out.query_pos, out.store_pages, out.store_offsets, out.new_ctx_len,
-            out.shift, C, kw["max_ctx"], kw["block_size"], kw["max_new"], tables.stride(0), tables.stride(1),
-            out.read_rows.stride(0), kw["read_window"] or 0, out_w,
-        ),
-        fast_launch,
+    blk = pick_block(B, out_w, block, tables.device.type != "cuda")
+    args = (
+        tables, vec(tensors[1]), vec(tensors[3]), vec(tensors[2]), *(vec(t) for t in tensors[4:]),
+        out.read_rows, out.read_lens, out.query_pos, out.store_pages, out.store_offsets, out.new_ctx_len,
+        out.shift, C, kw["max_ctx"], kw["block_size"], kw["max_new"], tables.stride(0), tables.stride(1),
+        out.read_rows.stride(0), kw["read_window"] or 0, out_w,
+    )
+    meta = dict(
         P=kw["tokens_per_block"],
         BLOCK=blk,
         QBLOCK=next_pow2(max(kw["block_size"], 1)),
@@ -388,7 +396,7 @@ def _prepare_ring(
         WINDOWED=kw["read_window"] is not None,
         num_warps=num_warps or warps_for(blk),
     )
-    return out
+    return (B, max(1, -(-out_w // blk))), args, meta
 
 
 def _launch_prepare(

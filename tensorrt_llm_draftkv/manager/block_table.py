@@ -80,6 +80,8 @@ class _Pool:
     extent: np.ndarray  # int64 [rows]
     device: torch.Tensor | None = None  # int32 [rows, C], None while the device is the CPU
     scalars_dev: torch.Tensor | None = None  # int64 [2, rows]: first, extent (one copy updates both)
+    first_dev: torch.Tensor | None = None  # its rows, as views made once (a bound launch keys on them)
+    extent_dev: torch.Tensor | None = None
     pending: list[np.ndarray] = field(default_factory=list)  # flat indices r * C + c changed since the last push
     scalars_dirty: bool = True
 
@@ -325,6 +327,7 @@ class DeviceBlockTable:
             if pool.device is None or pool.device.shape != pool.host.shape:
                 pool.device = torch.from_numpy(pool.host).to(self.device)
                 pool.scalars_dev = torch.from_numpy(np.stack([pool.first, pool.extent])).to(self.device)
+                pool.first_dev, pool.extent_dev = pool.scalars_dev[0], pool.scalars_dev[1]
                 pool.pending.clear()
                 pool.scalars_dirty = False
                 continue
@@ -361,7 +364,7 @@ class DeviceBlockTable:
         rows = self.rows_tensor(request_ids)
         if self.device.type == "cpu":
             return RingTables(torch.from_numpy(p.host), torch.from_numpy(p.first), torch.from_numpy(p.extent), rows)
-        return RingTables(p.device, p.scalars_dev[0], p.scalars_dev[1], rows)
+        return RingTables(p.device, p.first_dev, p.extent_dev, rows)
 
     def host_row(self, pool: int, request_id: int) -> tuple[int, int, np.ndarray]:
         """``(first, extent, pages)`` of one request's live span in pool ``pool``, from the host mirror

@@ -27,9 +27,11 @@ from ..kernels import (
     ring_entries,
 )
 from ..kernels import triton_runs
+from ..kernels.reference import window_read_width
 from ..request import LlmRequest
 from .draft_pool import DraftPool
 from .slot_table import SlotTable
+from .step_buffers import StepBuffers
 
 
 @dataclasses.dataclass
@@ -317,6 +319,7 @@ def prepare_generation(
     fused: bool,
     check_room: RoomCheck,
     read_windows: Optional[Sequence[Optional[int]]] = None,
+    buffers: Optional[StepBuffers] = None,
 ) -> list[PagedLatentPrep]:
     """One :class:`PagedLatentPrep` per pool; advances every row's slot to ``min(L + n, limit)``.
 
@@ -324,24 +327,32 @@ def prepare_generation(
     length. One ``prepare_paged_latent`` per pool: the kernel when ``fused``,
     else its torch reference (``impl="reference"``). ``read_windows[g]``
     (tokens, ``None`` = unbounded) bounds pool ``g``'s read rows to the
-    drafter's window (:func:`read_windows`).
+    drafter's window (:func:`read_windows`). ``buffers``: the step's inputs and the ring
+    form's outputs kept in place, its launches bound to them (a preparation is then valid
+    until the next step's).
     """
     new_host = _new_lengths(slots, rows, counts, max_new, check_room)
     consumed = {row.slot: n for row, n in zip(rows, counts)}
-    for slot, new in new_host.items():
-        slots.raise_base(slot, new)
-    n_t = torch.tensor(counts, dtype=torch.int64, device=slots.device)
+    slots.raise_bases(new_host)
+    n_t = buffers.num_new(counts) if buffers is not None else torch.tensor(counts, dtype=torch.int64,
+                                                                          device=slots.device)
     kw = dict(block_size=block_size, tokens_per_block=slots.tokens_per_block, max_new=max_new)
     windows = list(read_windows) if read_windows is not None else [None] * len(tables)
     preps = []
-    for bt, window in zip(tables, windows):
+    for g, (bt, window) in enumerate(zip(tables, windows)):
         impl = None if fused else "reference"
         if isinstance(bt, RingStepTables):
             r = bt.ring
-            preps.append(prepare_paged_latent(
-                r.pages, r.extent, slot_ids, slots.ctx_len, slots.base_pages, n_t, table_rows=r.rows,
-                table_first=r.first, max_ctx=slots.store_limit(), impl=impl, read_window=window, **kw,
-            ))
+            if buffers is None:
+                preps.append(prepare_paged_latent(
+                    r.pages, r.extent, slot_ids, slots.ctx_len, slots.base_pages, n_t, table_rows=r.rows,
+                    table_first=r.first, max_ctx=slots.store_limit(), impl=impl, read_window=window, **kw,
+                ))
+                continue
+            width = window_read_width(window, slots.tokens_per_block) if window is not None else r.pages.shape[1]
+            out = buffers.out(g, len(counts), width, block_size, max_new)
+            preps.append(buffers.ring_step(g, r, slot_ids, slots.ctx_len, slots.base_pages, n_t, out, impl=impl,
+                                           max_ctx=slots.store_limit(), read_window=window, **kw))
             continue
         preps.append(prepare_paged_latent(
             bt.tables, bt.extents, slot_ids, slots.ctx_len, slots.base_pages, n_t,

@@ -29,6 +29,7 @@ unknown request is a ``KeyError`` naming the live slots, running out of slots a
 """
 from __future__ import annotations
 
+import operator
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -42,6 +43,7 @@ from .handoff_seed import check_seed_range, mirror_backed_from
 from .slot_start import Seeding, SlotStart
 from .slot_snapshot import SlotPlan, SlotSnapshot
 from .slot_table import SlotTable
+from .step_buffers import StepBuffers
 
 def _check_args(max_batch_size: int, block_size: int, tokens_per_block: int, max_ctx_len: int, backend: str) -> None:
     if max_batch_size < 1:
@@ -116,7 +118,11 @@ class DFlashDraftSlots:
         self.draft_manager: Optional[DraftPool] = None
         self.tables: list[StepTables] = []
         self.slot_ids = torch.zeros(0, dtype=torch.int64, device=self.device)
+        #: the step's inputs and outputs kept in place, its launches bound to them
+        self.buffers = StepBuffers(self.device)
         self._prep: list[PagedLatentPrep] | None = None
+        #: (requests, pool, slot-table version) of the last generation-only step, for `_repeats_last_step`
+        self._last_step: Optional[tuple] = None
         self.seeds: dict[int, SlotStart] = {}  # request id -> start given by the last prepare_step()
         if draft_manager is not None:
             self.check_pool(draft_manager)
@@ -208,6 +214,11 @@ class DFlashDraftSlots:
         reqs = [*batch.context_requests, *batch.generation_requests]
         kinds = ["context"] * len(batch.context_requests) + ["generation"] * len(batch.generation_requests)
         ids = [r.py_request_id for r in reqs]
+        if self._repeats_last_step(reqs, ids, dm):
+            self.tables = self._decode_tables(dm, ids, [r.slot for r in self.rows])
+            self.seeds = {}
+            self._prep = None
+            return self.rows
         self._validate(ids, dm)
         dummy_ids = [r.py_request_id for r in reqs if r.is_dummy]
         plan = self.slots.plan(ids, dummy_ids, None if dm is None else dm.has_cache)
@@ -216,14 +227,31 @@ class DFlashDraftSlots:
             page_aligned_seed=self.page_aligned_seed, rebased_view=self._ctx_reads_rebased_view, seeding=self.seeding,
         )
         rows, seeds = slot_assignment.plan_rows(plan, reqs, kinds, starts, self.slots.take_context_seed)
-        tables = addressing.decode_tables(
-            dm, ids, [r.slot for r in rows], backend=self.backend, fused=self.fused,
+        tables = self._decode_tables(dm, ids, [r.slot for r in rows])
+        self._apply(plan, rows, seeds, tables, dm)
+        generation_only = all(r.kind == "generation" for r in rows)
+        self._last_step = (reqs, dm, self.slots.version) if generation_only else None
+        return rows
+
+    def _decode_tables(self, dm: Optional[DraftPool], ids: list[int], slots: list[int]) -> list[StepTables]:
+        return addressing.decode_tables(
+            dm, ids, slots, backend=self.backend, fused=self.fused,
             pages_per_slot=self.arena_pages_per_slot, device=self.device,
             # the pre-fix slot-local seeding keeps the exported tables, so its hazard stays reproducible
             ring=self.read_bound == "window" and self.seeding is not Seeding.SLOT_LOCAL,
         )
-        self._apply(plan, rows, seeds, tables, dm)
-        return rows
+
+    def _repeats_last_step(self, reqs: list[LlmRequest], ids: list[int], dm: Optional[DraftPool]) -> bool:
+        """The same generation requests (the same objects, in the same rows) as the last step, on the same
+        pool, with no slot gained, lost or seeded since, and every mirror still there: the rows, slots and
+        seeds would come out the same, so the step keeps them (a slot whose request left the pool meanwhile
+        is freed by the next step that plans)."""
+        last = self._last_step
+        return (
+            last is not None and last[1] is dm and last[2] == self.slots.version and len(reqs) == len(last[0])
+            and all(map(operator.is_, reqs, last[0])) and not any(r.is_dummy for r in reqs)
+            and (dm is None or all(map(dm.has_cache, ids)))
+        )
 
     def _validate(self, ids: list[int], dm: Optional[DraftPool]) -> None:
         """No request twice; with a pool: the pool is addressable and every row has a mirror."""
@@ -249,7 +277,7 @@ class DFlashDraftSlots:
         self.draft_manager = dm
         self.slots.private_arena = dm is None
         self.tables = tables
-        self.slot_ids = torch.tensor([r.slot for r in rows], dtype=torch.int64, device=self.device)
+        self.slot_ids = self.buffers.slot_ids([r.slot for r in rows])
         self.seeds = seeds
         self._prep = None
 
@@ -308,7 +336,7 @@ class DFlashDraftSlots:
         self._prep = addressing.prepare_generation(
             self.slots, self.rows, self.tables, self.slot_ids, counts, block_size=self.block_size,
             max_new=self.max_new_tokens, fused=self.fused, check_room=self._check_room,
-            read_windows=addressing.read_windows(self.draft_manager, self.read_bound),
+            read_windows=addressing.read_windows(self.draft_manager, self.read_bound), buffers=self.buffers,
         )
         return self._prep
 

@@ -76,6 +76,9 @@ class SlotTable:
         self._context_seeds: dict[int, tuple[int, int]] = {}
         #: requests the last applied plan seeded from a received context
         self.last_context_seeded: tuple[int, ...] = ()
+        #: bumped whenever a request gains or loses a slot or a context seed: a step planned at the same
+        #: version over the same requests would plan the same slots
+        self.version = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -149,6 +152,7 @@ class SlotTable:
         # A received context seeds only the request's first slot: after a loss it is gone.
         self._context_seeds.pop(request_id, None)
         slot = self._slot_of.pop(request_id)
+        self.version += 1
         self._ctx_host[slot] = self._base_host[slot] = self._offset_host[slot] = 0
         self.ctx_len[slot] = 0
         self.base_pages[slot] = 0
@@ -168,6 +172,7 @@ class SlotTable:
             if not self._free:
                 return None
             self._slot_of[request_id] = self._free.pop(0)
+            self.version += 1
         return self._slot_of[request_id]
 
     def evict(self, request_id: int) -> None:
@@ -180,6 +185,7 @@ class SlotTable:
         if request_id not in self._slot_of:
             if missing_ok:
                 self._context_seeds.pop(request_id, None)  # finished before its seeded slot was made
+                self.version += 1
                 return False
             self.slot_of(request_id)
         self._release(request_id, "free")
@@ -212,6 +218,7 @@ class SlotTable:
         except ValueError as err:
             raise ValueError(f"request {request_id}: {err}") from None
         self._context_seeds[request_id] = (lo, end)
+        self.version += 1
         return start._replace(base_pages=self.clamped_base(start.ctx_len, start.base_pages))
 
     def pending_context_seed(self, request_id: int) -> tuple[int, int] | None:
@@ -311,9 +318,13 @@ class SlotTable:
         self.last_context_seeded = tuple(plan.context_seeded)
         self._slot_of = plan.slot_of
         self._free = plan.free
+        # the device holds the host mirrors: copy only what the plan changed (seeds, departures)
+        if plan.ctx != self._ctx_host:
+            self.ctx_len.copy_(torch.tensor(plan.ctx, dtype=torch.int64))
+        if plan.base != self._base_host:
+            self.base_pages.copy_(torch.tensor(plan.base, dtype=torch.int64))
         self._ctx_host, self._base_host, self._offset_host = plan.ctx, plan.base, plan.off
-        self.ctx_len.copy_(torch.tensor(plan.ctx, dtype=torch.int64))
-        self.base_pages.copy_(torch.tensor(plan.base, dtype=torch.int64))
+        self.version += 1
 
     # ------------------------------------------------------------------ clamping
     def store_limit(self) -> int:
@@ -346,6 +357,22 @@ class SlotTable:
         if base != self._base_host[slot]:
             self._base_host[slot] = base
             self.base_pages[slot] = base
+
+    def raise_bases(self, lengths: dict[int, int]) -> None:
+        """`raise_base` for every slot -> length of `lengths`, the device bases written with one copy."""
+        raised_slots, raised = [], []
+        for slot, ctx_len in lengths.items():
+            base = self.clamped_base(ctx_len, self._base_host[slot])
+            if base != self._base_host[slot]:
+                self._base_host[slot] = base
+                raised_slots.append(slot)
+                raised.append(base)
+        if raised:
+            values = torch.tensor([raised_slots, raised], dtype=torch.int64)
+            if self.base_pages.is_cuda:
+                values = values.pin_memory()
+            values = values.to(self.base_pages.device, non_blocking=True)
+            self.base_pages.index_copy_(0, values[0], values[1].to(self.base_pages.dtype))
 
     def advance_host(self, slot: int, new_len: int, consumed: int) -> None:
         """The slot took ``consumed`` tokens and now holds ``new_len`` (host mirror only).

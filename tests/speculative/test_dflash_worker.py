@@ -489,3 +489,55 @@ def test_the_metadata_has_upstreams_fields_in_upstreams_order():
               "dtype", "captured_hidden_states"]
     assert names == base + dflash + ["device", "scheduled_requests"]  # ours last
     assert list(inspect.signature(DFlashSpecMetadata.prepare).parameters) == ["self"]
+
+
+@pytest.mark.cuda
+def test_the_bound_generation_step_on_the_gpu_equals_the_checked_step_on_the_cpu():
+    """The same workload on two rigs: on the GPU the generation step runs through launches bound to the
+    slots' kept buffers (after the first step of a shape); every step's preparation equals the CPU rig's
+    (checked interpreter launches), while rows keep their order and after they start to rotate."""
+    rigs = [Rig(pages=96, device=d) for d in ("cpu", "cuda")]
+    reqs = [[req(i + 1, p, 24) for i, p in enumerate((70, 33, 90))] for _ in rigs]
+    for rig, rs in zip(rigs, reqs):
+        prefill(rig, *rs, chunk=24)
+    for step in range(14):
+        preps = []
+        for rig, rs in zip(rigs, reqs):
+            live = rs if step < 7 else rs[step % 3:] + rs[: step % 3]
+            torch.manual_seed(step)
+            preps.append(rig.generation_step(ScheduledRequests(generation_requests=live),
+                                             {r.py_request_id: (step + r.py_request_id) % (K + 1) for r in live}))
+        for cpu, gpu in zip(*preps):
+            for name, t in cpu.tensors().items():
+                assert torch.equal(t, getattr(gpu, name).cpu()), (step, name)
+    bound = rigs[1].worker._slots().buffers._bound.values()
+    assert bound and any(b.is_bound for b in bound)
+
+
+def test_a_repeated_generation_batch_keeps_its_rows_and_gives_what_a_full_plan_gives():
+    """Steps over the same requests reuse the last step's rows; a twin that plans every step in full gives the
+    same preparations and slot state, also across an eviction (reseeded), a rotated batch and a request that
+    leaves."""
+    fast, full = Rig(keep_offsets=True), Rig(keep_offsets=True)
+    full.worker._slots()._repeats_last_step = lambda *args: False
+    reqs = {rig: [req(i + 1, p, 24) for i, p in enumerate((70, 33, 90))] for rig in (fast, full)}
+    for rig, rs in reqs.items():
+        prefill(rig, *rs, chunk=24)
+    reused = 0
+    for step in range(16):
+        got = []
+        for rig, rs in reqs.items():
+            live = rs if step < 10 else rs[1:] if step >= 13 else rs[::-1]
+            if step == 5:
+                rig.worker._slots().evict(2)
+            before = rig.worker._slots().rows
+            got.append(rig.generation_step(ScheduledRequests(generation_requests=live),
+                                           {r.py_request_id: (step * r.py_request_id) % (K + 1) for r in live}))
+            if rig is fast:
+                reused += rig.worker._slots().rows is before
+            rig.worker._slots().slots.check_host_mirror()
+        for a, b in zip(*got):
+            for name, t in a.tensors().items():
+                assert torch.equal(t, getattr(b, name)), (step, name)
+        assert fast.worker._slots().slots.live_requests() == full.worker._slots().slots.live_requests()
+    assert reused >= 9
