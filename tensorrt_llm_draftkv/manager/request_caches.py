@@ -23,6 +23,8 @@ class RequestCaches:
         self._tokens_per_block = tokens_per_block
         self._label = label
         self._by_id: dict[int, KVCache] = {}
+        self._version = 0  # bumped by every registration or removal
+        self._last_required: tuple[list[int], int, list[KVCache]] = ([], -1, [])
 
     # -- a mapping --------------------------------------------------------------------
     def __contains__(self, request_id: object) -> bool:
@@ -33,9 +35,11 @@ class RequestCaches:
 
     def __setitem__(self, request_id: int, cache: KVCache) -> None:
         self._by_id[request_id] = cache
+        self._version += 1
 
     def __delitem__(self, request_id: int) -> None:
         del self._by_id[request_id]
+        self._version += 1
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._by_id)
@@ -47,7 +51,9 @@ class RequestCaches:
         return self._by_id.get(request_id)
 
     def pop(self, request_id: int) -> KVCache:
-        return self._by_id.pop(request_id)
+        cache = self._by_id.pop(request_id)
+        self._version += 1
+        return cache
 
     def items(self):
         return self._by_id.items()
@@ -65,8 +71,14 @@ class RequestCaches:
         return [rid for rid in request_ids if rid not in self._by_id]
 
     def require(self, request_ids: Iterable[int], what: str) -> list[KVCache]:
-        """The caches of `request_ids`, in order; `MissingKVCacheError` naming every id without one."""
+        """The caches of `request_ids`, in order; `MissingKVCacheError` naming every id without one.
+
+        The same ids as the last call, with no cache registered or dropped since, get the last
+        answer back (a step asks several times for its batch): read it, do not change it."""
         ids = list(request_ids)
+        last_ids, version, caches = self._last_required
+        if version == self._version and ids == last_ids:
+            return caches
         missing = self.missing(ids)
         if missing:
             named = f"request {missing[0]}" if len(missing) == 1 else f"requests {missing}"
@@ -75,7 +87,9 @@ class RequestCaches:
                 f"(live requests: {self.ids()[:16]}); nothing was changed",
                 request_ids=missing,
             )
-        return [self._by_id[rid] for rid in ids]
+        caches = [self._by_id[rid] for rid in ids]
+        self._last_required = (ids, self._version, caches)
+        return caches
 
     def distinct_pools(self) -> list[PagePool]:
         """Each pool once (layer groups may share one), in group order."""
@@ -116,6 +130,7 @@ class RequestCaches:
         except BaseException:
             for rid in reversed(fresh):
                 cache = self._by_id.pop(rid, None)
+                self._version += 1
                 if cache is not None:
                     cache.free()  # logged too: the pools' rollback undoes it with the rest
             for cache in reversed(existing):

@@ -8,6 +8,7 @@ Coordinates: page ids in, byte addresses and lengths out.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -30,8 +31,17 @@ def page_runs(src_pages, dst_pages) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return s[starts], d[starts], ends - starts
 
 
-def _check_pages(pages: np.ndarray, regions: Sequence[PoolRegion], side: str, what: str) -> None:
-    limit = min(r.num_pages for r in regions)
+@functools.lru_cache(maxsize=256)
+def _layers(regions: tuple[PoolRegion, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, bool]:
+    """Per layer `[L, 1]` base, stride, device and page bytes, the pages every layer has, and whether
+    every page sits right after the previous one: what each request's descriptors are built from
+    (worked out once per set of regions)."""
+    col = lambda name: np.array([getattr(r, name) for r in regions], dtype=np.int64)[:, None]  # noqa: E731
+    packed = all(r.stride == r.page_bytes for r in regions)
+    return col("base"), col("stride"), col("device_id"), col("page_bytes"), min(r.num_pages for r in regions), packed
+
+
+def _check_pages(pages: np.ndarray, limit: int, side: str, what: str) -> None:
     bad = (pages < 0) | (pages >= limit)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
@@ -53,29 +63,31 @@ def page_write_descs(
     d = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
     if s.shape != d.shape:
         raise ValueError(f"{what}: {s.size} source pages for {d.size} destination pages")
-    empty = np.zeros((0, 3), dtype=np.int64)
     if not src or s.size == 0:
+        empty = np.zeros((0, 3), dtype=np.int64)
         return empty, empty
-    sizes = {(a.page_bytes, b.page_bytes) for a, b in zip(src, dst)}
-    if any(a != b for a, b in sizes):
-        raise ValueError(f"{what}: page sizes differ between the ranks ({sorted(sizes)} bytes)")
-    _check_pages(s, src, "source", what)
-    _check_pages(d, dst, "destination", what)
-    packed = all(r.stride == r.page_bytes for r in (*src, *dst))
-    if packed:
+    mine, theirs = _layers(tuple(src)), _layers(tuple(dst))
+    page_bytes = mine[3]
+    if not np.array_equal(page_bytes, theirs[3]):
+        sizes = sorted({(a.page_bytes, b.page_bytes) for a, b in zip(src, dst)})
+        raise ValueError(f"{what}: page sizes differ between the ranks ({sizes} bytes)")
+    _check_pages(s, mine[4], "source", what)
+    _check_pages(d, theirs[4], "destination", what)
+    if mine[5] and theirs[5]:
         s0, d0, count = page_runs(s, d)
     else:  # pages with gaps between them: one descriptor per page
         s0, d0, count = s, d, np.ones_like(s)
-    page_bytes = np.array([r.page_bytes for r in src], dtype=np.int64)[:, None]
+    length = count[None, :] * page_bytes
 
-    def side(regions: Sequence[PoolRegion], start: np.ndarray) -> np.ndarray:
-        base = np.array([r.base for r in regions], dtype=np.int64)[:, None]
-        stride = np.array([r.stride for r in regions], dtype=np.int64)[:, None]
-        dev = np.array([r.device_id for r in regions], dtype=np.int64)[:, None]
-        addr = base + start[None, :] * stride
-        return np.stack(np.broadcast_arrays(addr, count[None, :] * page_bytes, dev), axis=-1).reshape(-1, 3)
+    def side(layers: tuple, start: np.ndarray) -> np.ndarray:
+        base, stride, dev = layers[:3]
+        out = np.empty((base.shape[0], start.size, 3), dtype=np.int64)
+        out[..., 0] = base + start[None, :] * stride
+        out[..., 1] = length
+        out[..., 2] = dev
+        return out.reshape(-1, 3)
 
-    return side(src, s0), side(dst, d0)
+    return side(mine, s0), side(theirs, d0)
 
 
 def slot_descs(region: PoolRegion, slot: int, nbytes: int, *, what: str = "transfer") -> np.ndarray:

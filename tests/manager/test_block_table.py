@@ -288,3 +288,22 @@ def test_changed_entries_land_in_a_strided_view_and_nowhere_else():
         assert torch.equal(dst, mgr.get_block_offsets([1, 2], "cpp", width=20)), step
         assert bool((base[~inside] == -9).all()), step
     assert delta_writes >= 5
+
+
+def test_a_repeated_batch_lookup_still_sees_a_dropped_or_replaced_cache():
+    """`caches.require` answers a repeated batch from its last answer only while no cache was registered or
+    dropped: a freed request is then named as missing, a replaced cache is the new one."""
+    from tensorrt_llm_draftkv.manager.diagnostics import MissingKVCacheError
+
+    mgr = _with_requests((1, 2))
+    first = mgr.caches.require([1, 2], "t")
+    assert mgr.caches.require([1, 2], "t") is first
+    fresh = mgr.caches.new(2)
+    old = mgr.caches.pop(2)
+    old.free()
+    assert fresh.resize(8, 7)
+    mgr.caches[2] = fresh
+    assert mgr.caches.require([1, 2], "t")[1] is fresh
+    mgr.free_resources(_Req(1))
+    with pytest.raises(MissingKVCacheError, match="request 1"):
+        mgr.caches.require([1, 2], "t")
