@@ -123,6 +123,7 @@ class DFlashDraftSlots:
         self._prep: list[PagedLatentPrep] | None = None
         #: (requests, pool, slot-table version) of the last generation-only step, for `_repeats_last_step`
         self._last_step: Optional[tuple] = None
+        self._rows_version = -1  # the slot table's version when `rows` were made
         self.seeds: dict[int, SlotStart] = {}  # request id -> start given by the last prepare_step()
         if draft_manager is not None:
             self.check_pool(draft_manager)
@@ -218,6 +219,7 @@ class DFlashDraftSlots:
             self.tables = self._decode_tables(dm, ids, [r.slot for r in self.rows])
             self.seeds = {}
             self._prep = None
+            self._rows_version = self.slots.version
             return self.rows
         self._validate(ids, dm)
         dummy_ids = [r.py_request_id for r in reqs if r.is_dummy]
@@ -231,6 +233,7 @@ class DFlashDraftSlots:
         self._apply(plan, rows, seeds, tables, dm)
         generation_only = all(r.kind == "generation" for r in rows)
         self._last_step = (reqs, dm, self.slots.version) if generation_only else None
+        self._rows_version = self.slots.version
         return rows
 
     def _decode_tables(self, dm: Optional[DraftPool], ids: list[int], slots: list[int]) -> list[StepTables]:
@@ -284,6 +287,8 @@ class DFlashDraftSlots:
     def _check_rows_current(self) -> None:
         """Every row still holds the slot prepare_step() gave it (no evict/free in between)."""
         slots = self.slots
+        if slots.version == self._rows_version:
+            return  # no slot was taken, freed or seeded since the rows were made
         stale = [r.request_id for r in self.rows if r.kind != "dummy" and not slots.holds(r.request_id, r.slot)]
         if stale:
             raise RuntimeError(

@@ -21,10 +21,9 @@ from .slot_start import SlotStart
 
 @dataclasses.dataclass(frozen=True)
 class SlotSnapshot:
-    """Context lengths and bases of every slot (device and host), for :meth:`SlotTable.rollback`."""
+    """Context lengths and bases of every slot (host mirrors of the device state), for
+    :meth:`SlotTable.rollback`."""
 
-    ctx_len: torch.Tensor
-    base_pages: torch.Tensor
     ctx_len_host: tuple[int, ...]
     base_pages_host: tuple[int, ...]
     offsets_host: tuple[int, ...]

@@ -246,21 +246,16 @@ class SlotTable:
 
     # ------------------------------------------------------------------ snapshot / rollback
     def snapshot(self) -> SlotSnapshot:
-        """Lengths AND bases (and host offsets) of every slot."""
-        return SlotSnapshot(
-            self.ctx_len.clone(),
-            self.base_pages.clone(),
-            tuple(self._ctx_host),
-            tuple(self._base_host),
-            tuple(self._offset_host),
-        )
+        """Lengths AND bases (and host offsets) of every slot: the host mirrors only (the device tensors
+        equal them between steps), so a snapshot per step costs no device work."""
+        return SlotSnapshot(tuple(self._ctx_host), tuple(self._base_host), tuple(self._offset_host))
 
     def rollback(self, snap: SlotSnapshot) -> None:
-        """Restore the lengths and bases of :meth:`snapshot` (the slot map is unchanged)."""
+        """Restore the lengths and bases of :meth:`snapshot` (the slot map is unchanged), device included."""
         if not isinstance(snap, SlotSnapshot) or len(snap.ctx_len_host) != self.num_slots:
             raise ValueError("rollback needs a snapshot taken from this metadata")
-        self.ctx_len.copy_(snap.ctx_len)
-        self.base_pages.copy_(snap.base_pages)
+        self.ctx_len.copy_(torch.tensor(snap.ctx_len_host, dtype=torch.int64))
+        self.base_pages.copy_(torch.tensor(snap.base_pages_host, dtype=torch.int64))
         self._ctx_host = list(snap.ctx_len_host)
         self._base_host = list(snap.base_pages_host)
         self._offset_host = list(snap.offsets_host)
