@@ -124,6 +124,7 @@ class DFlashDraftSlots:
         #: (requests, pool, slot-table version) of the last generation-only step, for `_repeats_last_step`
         self._last_step: Optional[tuple] = None
         self._rows_version = -1  # the slot table's version when `rows` were made
+        self._row_ids: Optional[tuple[list[Row], list[int]]] = None  # (rows, their request ids)
         self.seeds: dict[int, SlotStart] = {}  # request id -> start given by the last prepare_step()
         if draft_manager is not None:
             self.check_pool(draft_manager)
@@ -131,7 +132,10 @@ class DFlashDraftSlots:
     # ------------------------------------------------------------------ queries
     @property
     def request_ids(self) -> list[int]:
-        return [r.request_id for r in self.rows]
+        """The rows' request ids, in row order (kept with the rows: read it, do not change it)."""
+        if self._row_ids is None or self._row_ids[0] is not self.rows:
+            self._row_ids = (self.rows, [r.request_id for r in self.rows])
+        return self._row_ids[1]
 
     @property
     def num_rows(self) -> int:

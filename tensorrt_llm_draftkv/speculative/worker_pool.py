@@ -81,13 +81,16 @@ class PoolBinding:
             full, rows, pools, ordinals = since
             full = sorted({b for b in full if b < num_seqs} | set(range(last[3], num_seqs)))
             self.rows_decoded_whole = len(full)
-            keep = (rows < num_seqs) & ~np.isin(rows, full)
-            rows, pools, ordinals = rows[keep], pools[keep], ordinals[keep]
+            if rows.size:
+                keep = rows < num_seqs
+                if full:
+                    keep &= ~np.isin(rows, full)
+                rows, pools, ordinals = rows[keep], pools[keep], ordinals[keep]
             for p in range(len(self.tables)):
                 if full:
                     self._decode_rows(src, p, torch.tensor(full, device=self.device), num_seqs)
                 mine = pools == p
-                if mine.any():
+                if rows.size and mine.any():
                     self._decode_entries(src, p, rows[mine], ordinals[mine])
         serial = writes.serial(src) if writes is not None else None
         self.decoded = None if serial is None else (weakref.ref(src), serial, src.shape[-1], num_seqs)
