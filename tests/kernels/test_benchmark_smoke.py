@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 try:  # benchmarks/ sits beside the package: on sys.path under `python -m pytest`, not under plain `pytest`
     from benchmarks import kernels as bench
@@ -59,3 +60,19 @@ def test_window_step_benchmark_checks_its_step_on_cpu():
     assert ((k > 0).sum(dim=1) <= ws.window_read_width(ws.W, ws.P) + 1).all()  # the window, not the prompt
     ws.check(step)
     assert ws.step_bytes(256, ws.window_read_width(ws.W, ws.P)) < ws.step_bytes(256, step["M"]) / 5
+
+
+def test_the_draft_step_benchmark_runs_every_phase_on_the_cpu():
+    """`benchmarks/draft_step.py` on a tiny case: every phase is timed, and the steps keep the rows of the
+    kept offsets tensor and the worker's tables what a whole export and decode give."""
+    from benchmarks import draft_step as ds
+
+    figures = ds.measure(4, 4095, "cpu", steps=14)
+    assert set(ds.PHASES) <= set(figures) and all(figures[p] > 0 for p in ds.PHASES)
+    s = ds.build(3, 2047, "cpu")
+    for _ in range(14):
+        ds.step(s, None)
+        offsets = s.attn.draft_kv_cache_block_offsets
+        assert torch.equal(offsets, s.draft.get_block_offsets(s.ids, "cpp"))
+        decoded = (offsets[0, :, 0].clamp(min=0) // s.draft.config.kv_factor).to(torch.int32)
+        assert torch.equal(s.worker._ctx_block_tables[: len(s.ids), : decoded.shape[1]], decoded)
