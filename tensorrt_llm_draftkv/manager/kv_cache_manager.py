@@ -7,31 +7,35 @@ from __future__ import annotations
 
 from typing import Any, Iterable, List, Optional, Sequence, Union
 
-import torch
-
 from ..bindings import CacheType, DataType
 from ..config import KVPoolConfig
 from ..llmapi import KvCacheConfig
 from ..mapping import Mapping
-from ..request import (LlmRequest, ScheduledRequests, generated_tokens, reused_prefix, set_target_view,
-                       skip_reused_prefix, target_view)
-from ..runtime import KVCache, LayerGroup, LifeCycle, PagePool, batch_resize
-from . import accessors, dummies, export, rules, upstream_geometry, upstream_init
+from ..request import LlmRequest, ScheduledRequests, generated_tokens, reused_prefix, set_target_view, target_view
+from ..runtime import KVCache, LayerGroup, PagePool, batch_resize
+from . import dummies, export, layer_pools, rules, upstream_geometry, upstream_init
 from .block_table import DeviceBlockTable
-from .buffers import LayerSlot, check_layer, layer_buffer, sequential_layer_slots
+from .buffers import LayerSlot, sequential_layer_slots
 from .diagnostics import KVCacheResizeError, MissingKVCacheError, context_step, resize_error
+from .offset_calls import OffsetCalls
 from .offset_destinations import OffsetDestinations
 from .prefix_reuse import PrefixReuse
 from .request_caches import RequestCaches
+from .scheduler_contract import SchedulerContract
+from .upstream_accessors import UpstreamAccessors
 
 
-class KVCacheManagerV2:
+class KVCacheManagerV2(SchedulerContract, UpstreamAccessors, OffsetCalls):
     """Sizes and addresses every request's cache in one set of per-group pools.
 
     Built as upstream builds it (the constructor below: the model's shape, a `Mapping`, an
     LLM-API `KvCacheConfig`; `is_draft=True` with a drafter's `spec_config` makes the draft
     manager, a `DraftKVCacheManagerV2`), or over a pool geometry of one's own with
     `from_pool_config`.
+
+    Its calls by job: upstream's hooks, queries and block reuse here; the V2 scheduler's
+    contract (`SchedulerContract`), upstream's accessors (`UpstreamAccessors`) and the
+    block-offset export and device block table (`OffsetCalls`) in mixins of their own.
     """
 
     error_label = "KV cache"
@@ -189,7 +193,7 @@ class KVCacheManagerV2:
         self.block_reuse = config.enable_block_reuse and (
             mirror_policy is None or mirror_policy.joint_kv_cache_reuse
         )
-        self.layer_groups: list[LayerGroup] = _build_layer_groups(config, self.error_label, trail_tokens, self.block_reuse)
+        self.layer_groups: list[LayerGroup] = layer_pools.build_layer_groups(config, self.error_label, trail_tokens, self.block_reuse)
         #: Every live request's cache (request id -> `KVCache`) and the batch transaction over them.
         self.caches = RequestCaches(self.layer_groups, self.tokens_per_block, self.error_label)
         #: Block reuse: hits, adoption, publishing, and the joint partners a hit must also cover.
@@ -270,70 +274,6 @@ class KVCacheManagerV2:
             step=step,
             pages_needed=demand,
             pages_free=None if demand is None else self.free_pages(),
-        )
-
-    # -- upstream's accessors (pure parts in manager/accessors.py) ----------------
-    def get_buffers(self, layer_idx: int, kv_layout: str = "NHD") -> Optional[torch.Tensor]:
-        """Layer `layer_idx`'s pool storage, zero-copy: `[pages, kv_factor, P, heads, head_dim]` (NHD) or
-        `[pages, kv_factor, heads, P, head_dim]` (HND). Page indices are the block table's; writes
-        through the view are what every reader of the pool sees."""
-        slot = check_layer(layer_idx, self.layer_slots, self.error_label)
-        return layer_buffer(self.layer_groups[slot.group].pool.layers[slot.index], kv_layout)
-
-    @property
-    def num_local_layers(self) -> int:
-        return len(self.layer_slots)
-
-    def get_num_free_blocks(self) -> int:
-        """Free pages of the tightest pool (upstream returns one number for one pool). Unlike
-        upstream's, callable at any time, not only while the manager is empty."""
-        return min(self.free_pages())
-
-    def get_kv_cache_stats(self) -> accessors.KvCacheStats:
-        """Pages in use and free (per window too), hand-outs and reuse hits so far (see `KvCacheStats`)."""
-        pools = self.pools()
-        # every page's storage over all its layers (K and V): what the pools allocated
-        allocated = sum(p.total * sum(layer[0].numel() * layer.element_size() for layer in p.layers)
-                        for p in self.distinct_pools())
-        return accessors.kv_cache_stats(
-            pools, self.windows, tokens_per_block=self.tokens_per_block, max_seq_len=self.config.max_seq_len,
-            allocated_bytes=allocated,
-        )
-
-    def get_batch_cache_indices(
-        self,
-        request_ids: List[int],
-        layer_idx: Optional[int] = None,
-        num_blocks_per_seq: Optional[Sequence[int]] = None,
-        *,
-        raw_indices: bool = False,
-    ) -> List[List[int]]:
-        """Per request, the pages of the pool holding `layer_idx` (pool 0 by default) by block ordinal,
-        -1 where a window released the entry; `raw_indices=True` gives the block offsets of K instead
-        (page * kv_factor, as `get_block_offsets`). KeyError-like `MissingKVCacheError` for an unknown id."""
-        group = 0 if layer_idx is None else check_layer(layer_idx, self.layer_slots, self.error_label).group
-        ids = list(request_ids)
-        self.caches.require(ids, "get_batch_cache_indices")
-        rows = [self.caches[rid].block_row(group) for rid in ids]
-        return accessors.cache_indices(rows, num_blocks_per_seq, scale=self.config.kv_factor if raw_indices else 1)
-
-    def get_block_ids_per_seq(self, request_ids: List[int]) -> torch.Tensor:
-        """int32 `[B, widest row]` pages of pool 0, 0 for released entries and padding (upstream's layout)."""
-        ids = list(request_ids)
-        self.caches.require(ids, "get_block_ids_per_seq")
-        return accessors.block_ids_per_seq([self.caches[rid].block_row(0) for rid in ids])
-
-    def get_num_available_tokens(
-        self, *, token_num_upper_bound: int, batch_size: int = 1, max_num_draft_tokens: int = 0
-    ) -> int:
-        """Tokens each of `batch_size` new requests could hold now, at most `token_num_upper_bound`,
-        leaving room for the extra tokens and `max_num_draft_tokens` drafts."""
-        args = self._upstream_args
-        return accessors.available_tokens(
-            self.free_pages(), self.windows, tokens_per_block=self.tokens_per_block,
-            token_num_upper_bound=token_num_upper_bound, batch_size=batch_size,
-            extra_tokens=self.num_extra_kv_tokens + max_num_draft_tokens,
-            max_tokens=None if args is None else args.kv_cache_config.max_tokens,
         )
 
     # -- queries ----------------------------------------------------------------
@@ -623,158 +563,6 @@ class KVCacheManagerV2:
                 draft_kv_cache_manager.last_refusal = err
             return None
 
-    # -- the V2 scheduler's contract ----------------------------------------------
-    # Upstream's KVCacheV2Scheduler sizes caches before `prepare_resources` runs; these are its
-    # calls. Sizes come from the same rules, so `prepare_resources` then changes nothing. There is
-    # no host tier here: a suspended cache keeps its pages and is not grown or updated.
-    def is_request_active(self, request_id: int) -> bool:
-        """The request holds a cache here and it is not suspended."""
-        return request_id in self.caches and request_id not in self._suspended
-
-    def get_history_length(self, req: LlmRequest) -> int | None:
-        """Tokens of the request's cache that are history only (None: no cache here)."""
-        cache = self.caches.get(req.py_request_id)
-        return None if cache is None else cache.history_length
-
-    def prepare_context_cache(self, req: LlmRequest, reuse_limit: int | None = None) -> int | None:
-        """The request's cache before a context chunk: created if new (adopting its prefix hit, at most
-        `reuse_limit` tokens), resumed if suspended. Returns the prefix it holds from a hit (tokens; 0
-        without), never moves the request's view. Refused requests: None (`last_refusal` says why)."""
-        rid = req.py_request_id
-        if rid not in self.caches:
-            hit = self.find_prefix_hit(req) if self._mirror_policy is None and not req.is_dummy else 0
-            if reuse_limit is not None:
-                hit = min(hit, max(0, reuse_limit) // self.tokens_per_block * self.tokens_per_block)
-            if hit:
-                self.prefix_reuse.adopt(req, hit, self.prefix_reuse.lookup(req, hit // self.tokens_per_block))
-            else:
-                self.caches[rid] = self.caches.new(rid)
-        if not self.resume_request(req):
-            return None
-        return self.caches[rid].committed
-
-    def prepare_context(self, req: LlmRequest) -> bool:
-        """`prepare_context_cache`, then a first chunk starts past the prefix it reused."""
-        if req.is_disagg_generation_init_state:
-            raise ValueError(
-                f"{self.error_label}: request {req.py_request_id} is a generation-init request; "
-                "use prepare_disagg_gen_init"
-            )
-        first = target_view(req).position == 0 and reused_prefix(req) == 0
-        reused = self.prepare_context_cache(req)
-        if reused is None:
-            return False
-        if first and reused:
-            skip_reused_prefix(req, reused, self.tokens_per_block)
-        return True
-
-    def _grow_or_refuse(self, req: LlmRequest, phase: str, capacity: int, history: int | None) -> bool:
-        """Resize the request's cache up to `capacity` (never down); False with `last_refusal` set, the
-        cache as it was, when the pool cannot. The capacity before is kept for the reverts."""
-        cache = self.caches[req.py_request_id]
-        before = cache.capacity
-        if not cache.resize(max(capacity, before), history):
-            demand = cache.page_demand(max(capacity, before), history)
-            self.last_refusal = self._mirror_resize_error(req.py_request_id, phase, capacity, history, demand=demand)
-            return False
-        self._capacity_before.setdefault(req.py_request_id, before)
-        return True
-
-    def resize_context(self, req: LlmRequest, num_tokens: int) -> bool:
-        """Room for the next `num_tokens` prompt tokens from the view's position (the extra tokens
-        too, the drafts on the last chunk). False when the pool cannot (the cache as it was)."""
-        cache = self.caches.get(req.py_request_id)
-        if cache is None or num_tokens < 0:
-            raise ValueError(
-                f"{self.error_label}: resize_context for request {req.py_request_id} with {num_tokens} tokens "
-                + ("needs its cache from prepare_context first" if cache is None else "(must be >= 0)")
-            )
-        capacity, history = self.sizing_rules.context(req, cache, chunk=num_tokens)
-        return self._grow_or_refuse(req, "context", capacity, history)
-
-    def try_allocate_draft_context(self, req: LlmRequest, num_tokens: int) -> bool:
-        """A draft manager's call (`DraftKVCacheManagerV2`); upstream asserts `is_draft`, so here a
-        target manager raises ValueError."""
-        raise ValueError(f"{self.error_label}: try_allocate_draft_context is a draft manager's call")
-
-    def try_allocate_generation(self, req: LlmRequest) -> bool:
-        """Room for a generation step (new token, drafts, extra). False: no cache, suspended and not
-        resumable, or the pool cannot (the cache as it was)."""
-        rid = req.py_request_id
-        if rid not in self.caches or not self.resume_request(req):
-            return False
-        capacity, history = self.sizing_rules.generation(req, self.caches[rid])
-        if not self._grow_or_refuse(req, "generation", capacity, history):
-            return False
-        self._allocated_draft_lens[rid] = len(req.py_draft_tokens)
-        return True
-
-    def revert_allocate_generation(self, req: LlmRequest) -> None:
-        """Undo this step's `try_allocate_generation` (nothing to undo: no-op)."""
-        rid = req.py_request_id
-        if self._allocated_draft_lens.pop(rid, None) is None:
-            return
-        self._shrink_back(rid)
-
-    def revert_allocate_context(self, req: LlmRequest) -> bool:
-        """Undo this step's context growth and suspend the cache. True: the cache is kept; False: it
-        had nothing before this step and is dropped (the request starts over)."""
-        rid = req.py_request_id
-        if rid not in self.caches:
-            return False
-        self._shrink_back(rid)
-        cache = self.caches[rid]
-        if cache.num_blocks == 0 and cache.committed == 0:
-            del self.caches[rid]
-            cache.free()
-            return False
-        self.suspend_request(req)
-        return True
-
-    def _shrink_back(self, rid: int) -> None:
-        before = self._capacity_before.pop(rid, None)
-        cache = self.caches[rid]
-        if before is not None and before < cache.capacity:
-            cache.resize(max(before, cache.history_length), None)
-
-    def extend_capacity_for_tokens(self, request: LlmRequest) -> None:
-        """Grow a generation step's room to the request's drafts now (after padding for a CUDA graph
-        added some). Raises the explicit `KVCacheResizeError` if the pool cannot."""
-        rid = request.py_request_id
-        self.caches.require([rid], "extend_capacity_for_tokens")
-        capacity, history = self.sizing_rules.generation(request, self.caches[rid])
-        if not self._grow_or_refuse(request, "generation", capacity, history):
-            raise self.last_refusal
-        self._allocated_draft_lens[rid] = len(request.py_draft_tokens)
-
-    def suspend_request(self, req: LlmRequest) -> None:
-        """Stop growing and updating the request's cache (its pages stay: there is no host tier)."""
-        if req.py_request_id in self.caches:
-            self._suspended.add(req.py_request_id)
-
-    def resume_request(self, req: LlmRequest) -> bool:
-        """Make a suspended cache active again. False: no cache here, or the tightest pool is fuller
-        than `KvCacheConfig.max_util_for_resume` (upstream's pressure rule; `last_refusal` says so)."""
-        rid = req.py_request_id
-        if rid not in self.caches:
-            return False
-        if rid not in self._suspended:
-            return True
-        refusal = self._resume_refusal(rid)
-        if refusal is not None:
-            self.last_refusal = KVCacheResizeError(
-                f"{self.error_label}: request {rid} stays suspended: {refusal}\n" + self.pool_diagnostic(),
-                request_id=rid, phase="resume", capacity=self.caches[rid].capacity,
-                history=self.caches[rid].history_length,
-            )
-            return False
-        self._suspended.discard(rid)
-        return True
-
-    def release_index_slot(self, request_id: int) -> None:
-        """Upstream frees a request's page-index slot early and keeps its pages; there are no index
-        slots here (block offsets are exported per call), so nothing to do."""
-
     # -- block reuse (manager/prefix_reuse.py) ----------------------------------------------
     def find_prefix_hit(self, req: LlmRequest) -> int:
         """Tokens of `req`'s prompt, from position 0, this manager (and its joint partners) can reuse:
@@ -845,124 +633,7 @@ class KVCacheManagerV2:
             self._allocated_draft_lens.pop(rid, None)
             self._capacity_before.pop(rid, None)
 
-    # -- export (manager/export.py) ---------------------------------------------------------
-    def get_block_offsets(
-        self, request_ids: Iterable[int], backend: str = "cpp", *, width: int | str | None = None
-    ) -> torch.Tensor:
-        """int32 `[num_pools, B, 2, width]` block offsets by block ordinal: `page * kv_factor + k`
-        (K at k=0, V at k=1). Unbacked: -1 (`"python"`), page 0's or the guard page's offset
-        (`"cpp"`). `width`: None (`max_blocks_per_seq`), `"live"` or an int (`export.get_block_offsets`)."""
-        ids = list(request_ids)
-        return export.get_block_offsets(self.offset_layout, ids, [self.get_cache(r) for r in ids], backend, width=width)
-
-    def block_tables(
-        self, request_ids: Iterable[int], backend: str = "cpp", *, width: int | str | None = "live"
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per pool, `(tables int32 [B, width], extents int64 [B])`: block ordinal -> page, what
-        decoding `get_block_offsets` yields without the offsets (`export.block_tables`)."""
-        ids = list(request_ids)
-        return export.block_tables(self.offset_layout, ids, [self.get_cache(r) for r in ids], backend, width=width)
-
-    def copy_batch_block_offsets(
-        self,
-        dst_tensor: torch.Tensor,
-        request_ids: Iterable[int],
-        beam_width: int,
-        num_contexts: int,
-        num_seqs: int,
-        max_blocks: int | None = None,
-    ) -> None:
-        """Upstream's call: write the batch's block offsets into `dst_tensor`, in place.
-
-        `dst_tensor` is the caller's int32 `[num_pools, >= num_seqs, 2, >= width]`
-        tensor on this manager's device, `width` being `max_blocks` or else
-        `config.max_blocks_per_seq`. Row i of every pool gets `request_ids[i]`'s
-        entries, exactly `get_block_offsets(request_ids, "cpp")[:, i, :, :width]`
-        (unbacked blocks as page 0's offset, or the guard page's when the pool has
-        one); rows from `num_seqs` on and columns from `width` on are left as they
-        are. As upstream, the first `num_contexts` ids are the context requests and
-        the rest generation requests, `num_seqs == len(request_ids) * beam_width`,
-        and only `beam_width` 1 is supported. Every check runs before the write: on
-        any error `dst_tensor` is unchanged.
-        """
-        ids = list(request_ids)
-        width, label = export.check_copy_args(
-            self.offset_layout, dst_tensor, ids, beam_width, num_contexts, num_seqs, max_blocks
-        )
-        caches = self.caches.require(ids, "copy_batch_block_offsets")
-        table = self._synced_table(ids, caches)
-        self.offset_destinations.write(self.offset_layout, table, dst_tensor, ids, caches, num_seqs, width, label)
-
-    # -- the device block table (manager/block_table.py) -------------------------------------
-    @property
-    def device_block_table(self) -> DeviceBlockTable:
-        """Ours: every live request's rows on the pools' device, one ring per pool, kept up to date by
-        `sync_block_table` with only the entries that changed (manager/block_table.py)."""
-        if self._block_table is None:
-            self._block_table = DeviceBlockTable(self.num_pools, self.config.device)
-        return self._block_table
-
-    def sync_block_table(self, request_ids: Iterable[int]) -> DeviceBlockTable:
-        """Ours: bring these requests' rows of `device_block_table` up to date; returns the table.
-        `MissingKVCacheError` naming every id without a cache (nothing changes then)."""
-        ids = list(request_ids)
-        return self._synced_table(ids, self.caches.require(ids, "sync_block_table"))
-
-    def _synced_table(self, ids: list[int], caches: list[KVCache]) -> DeviceBlockTable:
-        table = self.device_block_table
-        if table.num_attached > len(self.caches):  # a cache dropped without free_resources
-            table.prune(self.caches)
-        table.sync(ids, caches)
-        return table
-
     def check_accounting(self) -> None:
         """Every pool balances (held + cached-free + free = total), and every held page is in exactly
         as many rows as the pool counts holders: a page held alone is in one row only."""
-        for p, group in enumerate(self.layer_groups):
-            pool = group.pool
-            pool.check_accounting()
-            holders: dict[int, list[int]] = {}
-            for rid, cache in self.caches.items():
-                for page in cache.held_pages(p):
-                    holders.setdefault(page, []).append(rid)
-            for page, rids in holders.items():
-                if len(rids) != pool.refcount(page):
-                    if len(rids) > 1 and pool.refcount(page) <= 1:
-                        raise AssertionError(f"pool {p}: page {page} held by requests {rids[0]} and {rids[1]}")
-                    raise AssertionError(
-                        f"pool {p}: page {page} is in the rows of requests {rids} but the pool counts "
-                        f"{pool.refcount(page)} holder(s)"
-                    )
-            if len(holders) != pool.num_held:
-                raise AssertionError(
-                    f"pool {p}: caches hold {len(holders)} pages but the pool counts {pool.num_held} held"
-                )
-
-
-def _build_layer_groups(config: KVPoolConfig, label: str, trail_tokens: int, block_reuse: bool) -> list[LayerGroup]:
-    """One `PagePool` per layer group of `config`, each window widened by `trail_tokens` (the trail page).
-
-    Every pool's prefix keys are salted by the geometry (`label`, page size, K/V
-    layout, dtype, trail), so pools of different geometry never share a chain.
-    """
-    salt = (label, config.tokens_per_block, config.kv_factor, config.num_kv_heads, config.head_dim,
-            str(config.dtype), trail_tokens)
-    return [
-        LayerGroup(
-            LifeCycle(g.window, g.sink_blocks).widened(trail_tokens),
-            PagePool(
-                pages,
-                tokens_per_block=config.tokens_per_block,
-                num_layers=g.num_layers,
-                kv_factor=config.kv_factor,
-                num_kv_heads=config.num_kv_heads,
-                head_dim=config.head_dim,
-                dtype=config.dtype,
-                device=config.device,
-                guard_page=config.guard_page,
-                block_reuse=block_reuse,
-                reuse_salt=salt,
-            ),
-        )
-        for g, pages in zip(config.layer_groups, config.pages_per_group)
-    ]
+        layer_pools.check_accounting(self.layer_groups, self.caches)
