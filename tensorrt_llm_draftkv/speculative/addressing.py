@@ -290,6 +290,7 @@ def _new_lengths(
 ) -> dict[int, int]:
     """Slot -> its ``ctx_len`` after the step (checked: only generation rows commit, room for the block)."""
     new_host: dict[int, int] = {}
+    lengths, limit = slots.ctx_len_host, slots.store_limit()  # once, not per row
     for row, n in zip(rows, counts):
         if n and row.kind != "generation":
             raise ValueError(
@@ -298,7 +299,7 @@ def _new_lengths(
             )
         if not 0 <= n <= max_new:
             raise ValueError(f"DFlash drafter: request {row.request_id} commits {n} tokens; allowed 0..{max_new}")
-        new = min(slots.host_len(row.slot)[0] + n, slots.store_limit())
+        new = min(lengths[row.slot] + n, limit)
         if row.slot in new_host and new_host[row.slot] != new:
             raise ValueError(f"DFlash drafter: rows sharing slot {row.slot} disagree on its new length")
         new_host[row.slot] = new
