@@ -541,3 +541,19 @@ def test_a_repeated_generation_batch_keeps_its_rows_and_gives_what_a_full_plan_g
                 assert torch.equal(t, getattr(b, name)), (step, name)
         assert fast.worker._slots().slots.live_requests() == full.worker._slots().slots.live_requests()
     assert reused >= 9
+
+
+def test_a_slot_whose_request_left_the_pool_is_freed_by_the_next_step_that_plans():
+    """A repeated batch keeps its rows without planning, so a request that left the pool meanwhile (not
+    in the batch) keeps its slot until the next step that plans: then it is freed, and the worker hears."""
+    rig = Rig()
+    a, b, c = req(1, 40, 40), req(2, 30, 30), req(3, 20, 20)
+    prefill(rig, a, b, c, chunk=40)
+    slots = rig.worker._slots()
+    rig.generation_step(ScheduledRequests(generation_requests=[a, b]), {1: 1, 2: 1})
+    rows = slots.rows
+    rig.draft.free_resources(c)  # c leaves the pool while the batch stays the same
+    rig.generation_step(ScheduledRequests(generation_requests=[a, b]), {1: 1, 2: 1})
+    assert slots.rows is rows and 3 in slots.slots.live_requests()
+    rig.generation_step(ScheduledRequests(generation_requests=[b, a]), {1: 1, 2: 1})  # rows change: a plan
+    assert 3 not in slots.slots.live_requests() and 3 not in rig.worker._req_to_slot
