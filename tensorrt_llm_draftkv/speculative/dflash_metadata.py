@@ -46,7 +46,10 @@ class DFlashSpecMetadata(SpecMetadata):
         if self.device is None:
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(self.device)
-        self.batch_indices_cuda = torch.empty(self.max_num_requests, dtype=torch.int32, device=self.device)
+        # arange(max_num_requests) once: `prepare()` then has nothing to copy (a copy from pageable
+        # memory would wait for the device every step); it refills only after someone else wrote here
+        self.batch_indices_cuda = torch.arange(self.max_num_requests, dtype=torch.int32, device=self.device)
+        self._indices_version = self.batch_indices_cuda._version
         self.is_spec_dec_tree = False
         self.is_spec_dec_dynamic_tree = False
         layers = sorted(self.layers_to_capture) if self.layers_to_capture else []
@@ -78,7 +81,9 @@ class DFlashSpecMetadata(SpecMetadata):
             raise ValueError(f"DFlashSpecMetadata.prepare(): {n} rows, but max_num_requests is {self.max_num_requests}")
         if not 0 <= self.num_generations <= n:
             raise ValueError(f"DFlashSpecMetadata.prepare(): num_generations {self.num_generations} of {n} rows")
-        self.batch_indices_cuda[:n].copy_(torch.arange(n, dtype=torch.int32))
+        if self.batch_indices_cuda._version != self._indices_version:
+            self.batch_indices_cuda.copy_(torch.arange(self.batch_indices_cuda.numel(), dtype=torch.int32))
+            self._indices_version = self.batch_indices_cuda._version
         worker: DFlashWorker | None = getattr(self, "_dflash_worker", None)
         if worker is not None and worker.is_bound:
             worker.map_batch_rows(self)

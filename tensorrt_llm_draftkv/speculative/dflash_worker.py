@@ -28,6 +28,7 @@ import warnings
 from collections import deque
 from typing import Any, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..kernels import PagedLatentPrep
@@ -353,13 +354,20 @@ class DFlashWorker:
         preps = self._advance_ctx_len(counts)
         pool = self._bound()
         dev = pool.device
-        row_of = torch.repeat_interleave(torch.arange(len(counts), device=dev), torch.tensor(counts, device=dev))
-        col = torch.cat([torch.arange(c, device=dev) for c in counts]) if counts else row_of
+        # token t of the batch is entry (row, col) of the store targets: its flat index, built on the
+        # host and moved in one copy (no per-row launches, no wait for the device)
+        n = np.asarray(counts, dtype=np.int64)
+        width = self._slots().max_new_tokens
+        flat = np.repeat(np.arange(n.size) * width - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+        index = torch.from_numpy(flat)
+        if dev.type == "cuda":
+            index = index.pin_memory()
+        index = index.to(dev, non_blocking=True)
         kv = torch.stack([k, k if v is None else v], dim=2)[:, :, : pool.kv_factor]
         for p in sorted(set(pool.layer_pool)):
             layers = [i for i, q in enumerate(pool.layer_pool) if q == p]
-            pages = preps[p].store_pages.to(dev)[row_of, col]
-            offsets = preps[p].store_offsets.to(dev)[row_of, col]
+            pages = preps[p].store_pages.to(dev).reshape(-1).index_select(0, index)
+            offsets = preps[p].store_offsets.to(dev).reshape(-1).index_select(0, index)
             pool.write_layers(layers, pages, offsets, kv[:, layers])
         return preps
 

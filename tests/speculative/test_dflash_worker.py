@@ -557,3 +557,15 @@ def test_a_slot_whose_request_left_the_pool_is_freed_by_the_next_step_that_plans
     assert slots.rows is rows and 3 in slots.slots.live_requests()
     rig.generation_step(ScheduledRequests(generation_requests=[b, a]), {1: 1, 2: 1})  # rows change: a plan
     assert 3 not in slots.slots.live_requests() and 3 not in rig.worker._req_to_slot
+
+
+def test_prepare_leaves_the_batch_indices_an_arange_even_after_a_foreign_write():
+    rig = Rig()
+    a, b = req(1, 20, 20), req(2, 12, 12)
+    prefill(rig, a, b, chunk=20)
+    rig.generation_step(ScheduledRequests(generation_requests=[a, b]), {1: 0, 2: 1})
+    indices = rig.meta.batch_indices_cuda
+    assert indices[:2].tolist() == [0, 1]
+    indices[1] = 7  # someone else's write
+    rig.generation_step(ScheduledRequests(generation_requests=[a, b]), {1: 1, 2: 0})
+    assert indices.tolist() == list(range(indices.numel()))
