@@ -19,7 +19,7 @@ holds -1, never page 0. The kernels read the ring directly
 ``O(window)`` entries per row however long the prompt.
 
 Updates cost what changed: each request's `KVCache` logs the ordinals its resizes,
-rollbacks and adoptions touched (`KVCache.track_changes`), and `sync` rewrites only
+rollbacks and adoptions touched (`KVCache.changes`, a `ChangeLog`), and `sync` rewrites only
 the ring columns those ordinals own, with one host-to-device copy per pool and
 one scatter. The table knows nothing of drafters.
 """
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..runtime import BAD_PAGE_INDEX, KVCache
+from ..staging import to_device
 
 
 @dataclass
@@ -60,13 +61,18 @@ class TableDelta:
     entries: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]
 
 
+def last_of_each(key: np.ndarray) -> np.ndarray:
+    """Indices of the last occurrence of each distinct value of `key` (int64), in ascending key order:
+    where a log says one entry several times, its last word holds."""
+    _, last = np.unique(key[::-1], return_index=True)
+    return key.size - 1 - last
+
+
 def _last_entries(rows: list[int], ordinals: list[int], pages: list[int]) -> tuple[np.ndarray, ...]:
     """The entries as int64 arrays, only the last one of each (row, ordinal)."""
     r, o, page = (np.array(a, dtype=np.int64) for a in (rows, ordinals, pages))
     if r.size > 1:
-        key = (r << 40) | o  # ordinals < 2**40
-        _, last = np.unique(key[::-1], return_index=True)
-        keep = r.size - 1 - last
+        keep = last_of_each((r << 40) | o)  # ordinals < 2**40
         r, o, page = r[keep], o[keep], page[keep]
     return r, o, page
 
@@ -97,7 +103,7 @@ class DeviceBlockTable:
         self._row_of: dict[int, int] = {}
         self._cache_of: dict[int, KVCache] = {}
         self._rid_of: dict[KVCache, int] = {}  # attached cache -> its request (caches hash by identity)
-        #: attached caches with undrained changes: each adds itself when it logs one (`KVCache.track_changes`)
+        #: attached caches with undrained changes: each adds itself when it logs one (`KVCache.changes`, a `ChangeLog`)
         self._dirty: set[KVCache] = set()
         #: the batch of the last full membership check (`sync`): the same lists again need none
         self._checked: tuple[list[int], list[KVCache]] = ([], [])
@@ -142,7 +148,7 @@ class DeviceBlockTable:
         cache = self._cache_of.pop(request_id, None)
         if cache is not None:
             self._rid_of.pop(cache, None)
-            cache.stop_tracking()
+            cache.changes.stop()
         self._checked = ([], [])
         if r is not None:
             self._free_rows.append(r)
@@ -162,10 +168,10 @@ class DeviceBlockTable:
         replaced = self._cache_of.get(request_id)
         if replaced is not None:
             self._rid_of.pop(replaced, None)
-            replaced.stop_tracking()
+            replaced.changes.stop()
         self._cache_of[request_id] = cache
         self._rid_of[cache] = request_id
-        cache.track_changes(self._dirty)  # a fresh log: the whole row is written below
+        cache.changes.start(self._dirty)  # a fresh log: the whole row is written below
         for g, pool in enumerate(self._pools):
             first = cache.first_backed(g)
             self._write_row(pool, g, r, cache, first)
@@ -206,7 +212,7 @@ class DeviceBlockTable:
         if self._dirty:
             row_of, rid_of = self._row_of, self._rid_of
             for cache in sorted(self._dirty, key=lambda c: row_of[rid_of[c]]):  # table-row order
-                changes = cache.drain_changes()
+                changes = cache.changes.drain()
                 if changes:
                     self._take_log(row_of[rid_of[cache]], cache, changes, logged)
             self._dirty.clear()
@@ -311,7 +317,7 @@ class DeviceBlockTable:
                 continue
             # a row with nothing pending still starts where the table last saw it; one with pending
             # changes (synced later this round, or next) is found from its start
-            first = cache.first_backed(g, 0 if cache.has_pending_changes else int(old.first[r]))
+            first = cache.first_backed(g, 0 if cache.changes.pending else int(old.first[r]))
             self._write_row(self._pools[g], g, r, cache, first)
 
     def _push(self) -> None:
@@ -341,7 +347,7 @@ class DeviceBlockTable:
             buf[:n] = flat
             buf[n : n + rows], buf[n + rows : n + 2 * rows] = pool.first, pool.extent
             buf[n + 2 * rows :].view(np.int32)[:n] = pool.host.reshape(-1)[flat]
-            staged = torch.from_numpy(buf).pin_memory().to(self.device, non_blocking=True)
+            staged = to_device(buf, self.device)
             if n:
                 pool.device.view(-1).index_copy_(0, staged[:n], staged[n + 2 * rows :].view(torch.int32)[:n])
             if pool.scalars_dirty:
@@ -381,9 +387,9 @@ class DeviceBlockTable:
         r = self._row_of[request_id]
         if self.device.type == "cpu":
             return self.host_row(pool, request_id)[2]
-        first, extent = int(p.scalars_dev[0, r]), int(p.scalars_dev[1, r])
+        first, extent = int(p.first_dev[r]), int(p.extent_dev[r])
         cols = torch.arange(first, max(first, extent), device=self.device) % p.device.shape[1]
         return p.device[r, cols].cpu().numpy()
 
 
-__all__ = ["DeviceBlockTable", "RingTables", "TableDelta"]
+__all__ = ["DeviceBlockTable", "RingTables", "TableDelta", "last_of_each"]

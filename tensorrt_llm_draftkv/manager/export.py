@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..runtime import BAD_PAGE_INDEX, KVCache
+from ..staging import to_device
 
 
 @dataclass(frozen=True)
@@ -252,7 +253,7 @@ def write_block_offset_values(
     buf = np.empty(n + (n + 1) // 2, dtype=np.int64)  # [flat offsets (n) | n int32 values, two per slot]
     buf[:n] = flat
     buf[n:].view(np.int32)[:n] = values
-    staged = torch.from_numpy(buf).pin_memory().to(dst_tensor.device, non_blocking=True)
+    staged = to_device(buf, dst_tensor.device)
     memory.index_copy_(0, staged[:n], staged[n:].view(torch.int32)[:n])
     return n
 

@@ -28,7 +28,7 @@ import torch
 
 from ..runtime import KVCache
 from . import export
-from .block_table import DeviceBlockTable, TableDelta
+from .block_table import DeviceBlockTable, TableDelta, last_of_each
 
 
 @dataclass
@@ -92,9 +92,7 @@ class OffsetDestinations:
         """Rows `[0, num_seqs)`, columns `[0, width)` of `dst` as `export.write_block_offsets` writes them
         ("cpp" offsets), after `table.sync(ids, caches)`; arguments checked by `export.check_copy_args`."""
         key = _key(dst)
-        before = self._written.get(key)
-        if before is not None and (before.tensor() is not dst or before.version != dst._version):
-            before = None  # another tensor at the same address, or written by someone else since
+        before = self._trusted(dst)  # None: another tensor at the same address, or someone else wrote since
         delta = None if before is None or before.width != width else table.changes_since(before.epoch)
         if delta is None:
             full, batch_row = list(range(len(ids))), None
@@ -172,9 +170,7 @@ class OffsetDestinations:
             return _NO_ENTRIES
         # several syncs may log one entry: the last one holds its page now
         g, b, o, page = g[keep], b[keep], o[keep], page[keep]
-        key = (g << 56) | (b << 36) | o
-        _, last = np.unique(key[::-1], return_index=True)
-        pick = key.size - 1 - last
+        pick = last_of_each((g << 56) | (b << 36) | o)
         b, g, o = b[pick], g[pick], o[pick]
         export.write_block_offset_values(layout, dst, b, g, o, page[pick])
         return b, g, o

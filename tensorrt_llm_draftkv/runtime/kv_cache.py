@@ -7,8 +7,9 @@ pool, with BAD_PAGE_INDEX where nothing backs the ordinal.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple
 
+from .change_log import ChangeLog
 from .layer_group import LayerGroup
 from .page_pool import BAD_PAGE_INDEX
 from .prefix_cache import PageKey
@@ -32,10 +33,6 @@ class ResizePlan(NamedTuple):
     capacity: int
     history: int
     plans: list[GroupPlan] | None
-
-
-#: One chunk of a cache's change log: `(group, ordinals, pages)`, pages None for all unbacked.
-Change = tuple[int, Sequence[int], Optional[Sequence[int]]]
 
 
 class KVCache:
@@ -79,13 +76,9 @@ class KVCache:
         #: Derived data a consumer keeps per cache (the block-offset export keeps its
         #: numpy rows here), dropped with the cache. The cache never reads it.
         self.export_memo: dict = {}
-        #: `(group, ordinals, pages)` chunks, in the order the entries changed, since the last
-        #: `drain_changes` (see there), kept only once a consumer asked for it (`track_changes`):
-        #: a table mirrored elsewhere (the manager's device block table) then costs O(changed).
-        self._changes: list[Change] | None = None
-        #: the consumer's set of caches with undrained changes (`track_changes(sink=)`): this cache
-        #: adds itself on every logged change, so the consumer visits only the caches that changed
-        self._change_sink: set | None = None
+        #: What a mirror of the rows kept elsewhere follows (the manager's device block table
+        #: starts it): every changed entry, recorded only once a consumer started it.
+        self.changes = ChangeLog(self)
 
     # -- queries ----------------------------------------------------------------
     @property
@@ -138,43 +131,6 @@ class KVCache:
         while o < n and row[o] == BAD_PAGE_INDEX:
             o += 1
         return o
-
-    # -- the change log (a mirror of the rows kept elsewhere) ---------------------------
-    def track_changes(self, sink: set | None = None) -> None:
-        """Start logging every changed row entry; what was logged before is dropped.
-
-        `sink`: a set this cache adds itself to whenever it logs a change (until the
-        consumer drains it), so a consumer of many caches finds the changed ones
-        without visiting the rest."""
-        self._changes = []
-        self._change_sink = sink
-
-    def stop_tracking(self) -> None:
-        """Stop logging (the consumer let go of this cache); what was logged is dropped."""
-        if self._change_sink is not None:
-            self._change_sink.discard(self)
-        self._changes = None
-        self._change_sink = None
-
-    def _logged(self) -> None:
-        if self._change_sink is not None and self._changes:
-            self._change_sink.add(self)
-
-    @property
-    def has_pending_changes(self) -> bool:
-        """Logged changes not drained yet."""
-        return bool(self._changes)
-
-    def drain_changes(self) -> list[Change]:
-        """`(group, ordinals, pages)` chunks of the entries changed since the last call, in the order
-        they changed: ordinal `ordinals[i]` was set to `pages[i]` (`pages` None: every one to
-        BAD_PAGE_INDEX; an ordinal cut off the row's end counts as BAD_PAGE_INDEX). An ordinal may
-        repeat: its last entry is its page now. Empty when nothing changed or nothing is tracked."""
-        log = self._changes
-        if not log:
-            return []
-        self._changes = []
-        return log
 
     def held_pages(self, group: int) -> list[int]:
         return [p for p in self._rows[group] if p != BAD_PAGE_INDEX]
@@ -294,15 +250,14 @@ class KVCache:
         row = self._rows[g]
         old_len = len(row)
         saved = [(o, row[o]) for o in plan.clear]
-        log = self._changes
-        if log is not None:  # whole chunks, not pairs: this runs for every step that crosses a page
-            # the row's new or cut-off tail first (unbacked: an ordinal that grows in unbacked, a
-            # window's stale range, must read so in a mirror that last saw another row in that place),
-            # then what loses its page, then what gets one
-            log.append((g, range(min(plan.new_len, old_len), max(plan.new_len, old_len)), None))
-            log.append((g, plan.clear, None))
-            log.append((g, plan.allocate, pages))
-            self._logged()
+        # the row's new or cut-off tail first (unbacked: an ordinal that grows in unbacked, a window's
+        # stale range, must read so in a mirror that last saw another row in that place), then what
+        # loses its page, then what gets one; whole chunks, not pairs: this runs at every page crossing
+        self.changes.record(
+            (g, range(min(plan.new_len, old_len), max(plan.new_len, old_len)), None),
+            (g, plan.clear, None),
+            (g, plan.allocate, pages),
+        )
         if plan.new_len < old_len:
             saved += [(o, row[o]) for o in range(plan.new_len, old_len)]
             del row[plan.new_len :]
@@ -450,9 +405,7 @@ class KVCache:
         for g, group in enumerate(self.groups):
             group.pool.share([p for p in rows[g] if p != BAD_PAGE_INDEX], owner=self.owner)
             self._rows[g] = list(rows[g])
-            if self._changes is not None:
-                self._changes.append((g, range(len(rows[g])), list(rows[g])))
-                self._logged()
+            self.changes.record((g, range(len(rows[g])), list(rows[g])))
             self._held[g] = sum(1 for p in rows[g] if p != BAD_PAGE_INDEX)
             self.keys.adopt(g, keys[g][:n])
         self._settled = settled
@@ -473,7 +426,7 @@ class KVCache:
         self.closed = True
         self.version += 1
         self.export_memo = {}
-        self.stop_tracking()
+        self.changes.stop()
 
     def checkpoint(self) -> tuple:
         """Everything that defines this cache, immutable: what a test compares for bit-identity
@@ -507,17 +460,13 @@ class KVCache:
         if records:
             self.version += 1
             self.export_memo = {}  # the settled marks go back: derived rows start over
-        log = self._changes
+        log = self.changes
         for undo in reversed(records):
             for g, (row, (old_len, saved)) in enumerate(zip(self._rows, undo.rows)):
-                if log is not None:  # in the order of the edits below: grown tail, restored entries, cut tail
+                if log.started:  # in the order of the edits below: grown tail, restored entries, cut tail
                     tail = (g, range(min(old_len, len(row)), max(old_len, len(row))), None)
-                    if len(row) < old_len:
-                        log.append(tail)
-                    log.append((g, [o for o, _ in reversed(saved)], [page for _, page in reversed(saved)]))
-                    if len(row) > old_len:
-                        log.append(tail)
-                    self._logged()
+                    restored = (g, [o for o, _ in reversed(saved)], [page for _, page in reversed(saved)])
+                    log.record(*((tail, restored) if len(row) < old_len else (restored, tail)))
                 if len(row) < old_len:
                     row.extend([BAD_PAGE_INDEX] * (old_len - len(row)))
                 for o, page in reversed(saved):

@@ -33,6 +33,7 @@ import torch
 
 from ..kernels import PagedLatentPrep
 from ..request import ScheduledRequests
+from ..staging import to_device
 from .draft_pool import DraftPool
 from .draft_slots import DFlashDraftSlots
 from .slot_table import SlotSnapshot
@@ -359,10 +360,7 @@ class DFlashWorker:
         n = np.asarray(counts, dtype=np.int64)
         width = self._slots().max_new_tokens
         flat = np.repeat(np.arange(n.size) * width - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
-        index = torch.from_numpy(flat)
-        if dev.type == "cuda":
-            index = index.pin_memory()
-        index = index.to(dev, non_blocking=True)
+        index = to_device(flat, dev)
         kv = torch.stack([k, k if v is None else v], dim=2)[:, :, : pool.kv_factor]
         for p in sorted(set(pool.layer_pool)):
             layers = [i for i, q in enumerate(pool.layer_pool) if q == p]

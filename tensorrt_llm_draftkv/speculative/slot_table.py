@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..staging import to_device
 from .slot_snapshot import SlotPlan, SlotSnapshot
 from .slot_start import SlotStart, context_seed
 
@@ -363,10 +364,7 @@ class SlotTable:
                 raised_slots.append(slot)
                 raised.append(base)
         if raised:
-            values = torch.tensor([raised_slots, raised], dtype=torch.int64)
-            if self.base_pages.is_cuda:
-                values = values.pin_memory()
-            values = values.to(self.base_pages.device, non_blocking=True)
+            values = to_device(torch.tensor([raised_slots, raised], dtype=torch.int64), self.base_pages.device)
             self.base_pages.index_copy_(0, values[0], values[1].to(self.base_pages.dtype))
 
     def advance_host(self, slot: int, new_len: int, consumed: int) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from ..kernels import BoundRingPreparation, PagedLatentPrep, prepare_paged_latent
+from ..staging import staged
 
 _OUT_FIELDS = ("read_rows", "read_lens", "query_pos", "store_pages", "store_offsets", "new_ctx_len", "shift")
 
@@ -62,10 +63,7 @@ class StepBuffers:
     def _copy_in(self, buffer: torch.Tensor, values: list[int]) -> None:
         if not values:
             return
-        host = torch.tensor(values, dtype=torch.int64)
-        if buffer.is_cuda:
-            host = host.pin_memory()
-        buffer[: len(values)].copy_(host, non_blocking=True)
+        buffer[: len(values)].copy_(staged(values, buffer.device), non_blocking=True)
 
     def _view(self, name: str, buffer: torch.Tensor, B: int) -> torch.Tensor:
         view = self._views.get((name, B))

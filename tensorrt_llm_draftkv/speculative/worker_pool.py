@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..kernels import ring_entries
+from ..staging import to_device
 from .draft_pool import DraftPool
 
 
@@ -116,9 +117,7 @@ class PoolBinding:
         s0, s1, _, s3 = src.stride()
         at_src = p * s0 + rows * s1 + ordinals * s3
         at_table = rows * table.stride(0) + ordinals
-        index = torch.from_numpy(np.concatenate([at_src, at_table]))
-        if self.device.type != "cpu":
-            index = index.pin_memory().to(self.device, non_blocking=True)
+        index = to_device(np.concatenate([at_src, at_table]), self.device)
         n = rows.size
         memory = torch.as_strided(src, (int(at_src.max()) + 1,), (1,))
         values = memory.index_select(0, index[:n]).long().clamp(min=0).div(self.kv_factor, rounding_mode="floor")

@@ -1,4 +1,4 @@
-"""The change log a `KVCache` keeps for a mirror (`track_changes`): replaying it rebuilds the rows.
+"""The change log a `KVCache` keeps for a mirror (`cache.changes`, a `ChangeLog`): replaying it rebuilds the rows.
 
 A mirror that saw the rows once, then applies every drained chunk in order (ordinal ->
 page, `None` pages meaning unbacked, ordinals past the row's end meaning cut off), must
@@ -67,7 +67,7 @@ def test_replaying_the_log_rebuilds_the_rows(steps):
     cache = mgr.caches.new(1)
     mgr.caches[1] = cache
     sink: set = set()
-    cache.track_changes(sink)
+    cache.changes.start(sink)
     mirror = [cache.block_row(g) for g in range(mgr.num_pools)]
     for kind, a, b in steps:
         cap, hist = cache.capacity, cache.history_length
@@ -85,11 +85,11 @@ def test_replaying_the_log_rebuilds_the_rows(steps):
                     cache.resize(cap + a + 1, hist + min(a, b))
                     cache.resize(cache.capacity + b, cache.history_length + b // 2)
                     raise RuntimeError("the step failed")
-        chunks = cache.drain_changes()
+        chunks = cache.changes.drain()
         assert (cache in sink) == bool(chunks) or not any(len(o) for _, o, _ in chunks)
         sink.discard(cache)
         _replay(mirror, chunks)
         assert _same(mirror, cache), (kind, a, b)
-    cache.stop_tracking()
+    cache.changes.stop()
     cache.resize(cache.capacity + P, cache.history_length)
-    assert cache.drain_changes() == [] and not sink
+    assert cache.changes.drain() == [] and not sink
