@@ -107,8 +107,11 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
 
     # -- upstream's request_context around the sizing calls -----------------------
     def _draft_request_context(self, batch: ScheduledRequests):
-        """`request_context(True, batch)`, as upstream's `_prepare_draft_resources`; none for a target one."""
-        return request_context(True, batch) if self.is_draft else contextlib.nullcontext(batch)
+        """`request_context(True, batch)`, as upstream's `_prepare_draft_resources`; none for a target one,
+        nor for a batch without context requests (a generation step's sizing reads no view)."""
+        if self.is_draft and batch.context_requests:
+            return request_context(True, batch)
+        return contextlib.nullcontext(batch)
 
     def prepare_resources(self, scheduled_batch: ScheduledRequests) -> None:
         with self._draft_request_context(scheduled_batch):

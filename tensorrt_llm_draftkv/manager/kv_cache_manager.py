@@ -11,7 +11,7 @@ from ..bindings import CacheType, DataType
 from ..config import KVPoolConfig
 from ..llmapi import KvCacheConfig
 from ..mapping import Mapping
-from ..request import LlmRequest, ScheduledRequests, generated_tokens, reused_prefix, set_target_view, target_view
+from ..request import LlmRequest, ScheduledRequests, reused_prefix, set_target_view, target_view
 from ..runtime import KVCache, LayerGroup, PagePool, batch_resize
 from . import dummies, export, layer_pools, rules, upstream_geometry, upstream_init
 from .block_table import DeviceBlockTable
@@ -354,7 +354,17 @@ class KVCacheManagerV2(SchedulerContract, UpstreamAccessors, OffsetCalls):
         batch is put back as it was (fresh caches dropped) and the error raised.
         """
         batch = scheduled_batch
-        missing = self.caches.missing(r.py_request_id for r in batch.generation_requests)
+        gen = batch.generation_requests
+        if not batch.context_requests and not self._suspended:
+            # The usual step, generation only: one lookup gives the caches (None when one is missing,
+            # or a request is named twice, which the path below names), then one checked pass.
+            ids = [r.py_request_id for r in gen]
+            caches = self.caches.lookup(ids)
+            if caches is not None and len(set(ids)) == len(ids) and self._resize_known_to_fit(
+                    gen, self.sizing_rules.generation_sizes(gen), caches):
+                self.last_prepared_batch = batch
+                return
+        missing = self.caches.missing(r.py_request_id for r in gen)
         if missing:
             raise MissingKVCacheError(
                 f"Missing {self.missing_label} for generation request "
@@ -364,10 +374,6 @@ class KVCacheManagerV2(SchedulerContract, UpstreamAccessors, OffsetCalls):
             )
         self._check_unique(batch)
         self._resume_scheduled(batch)
-        gen = batch.generation_requests
-        if not batch.context_requests and self._resize_known_to_fit(gen, self.sizing_rules.generation_sizes(gen)):
-            self.last_prepared_batch = batch
-            return
         steps = [(r, "context", self.sizing_rules.context) for r in batch.context_requests]
         steps += [(r, "generation", self.sizing_rules.generation) for r in batch.generation_requests]
         views = [(r, target_view(r), reused_prefix(r)) for r in batch.context_requests]
@@ -489,10 +495,11 @@ class KVCacheManagerV2(SchedulerContract, UpstreamAccessors, OffsetCalls):
         live, suspended = self.caches, self._suspended  # `is_request_active`, once per request
         reqs = [
             r for r in scheduled_batch.all_requests()
-            if generated_tokens(r) >= 1 and not r.is_dummy and r.py_request_id in live
+            if r.max_beam_num_tokens > r.prompt_len and not r.is_dummy and r.py_request_id in live
             and r.py_request_id not in suspended
-        ]
-        caches = [live[r.py_request_id] for r in reqs]
+        ]  # (`generated_tokens(r) >= 1` inlined: this runs for every request of every step)
+        caches = live.lookup([r.py_request_id for r in reqs])
+        assert caches is not None  # every one was just found live
         sizes = rules.after_step_sizes([r.max_beam_num_tokens for r in reqs], [c.history_length for c in caches],
                                        [c.capacity for c in caches], self.after_step_headroom)
         if not self._resize_known_to_fit(reqs, sizes, caches):
@@ -504,9 +511,10 @@ class KVCacheManagerV2(SchedulerContract, UpstreamAccessors, OffsetCalls):
                         # slot: still advance history (this only releases pages); the next
                         # prepare reserves the slot, or raises the explicit resize error.
                         cache.resize(max(cache.capacity, history), history)
-        for req in reqs:  # the step is over: nothing of it is left to revert
-            self._allocated_draft_lens.pop(req.py_request_id, None)
-            self._capacity_before.pop(req.py_request_id, None)
+        if self._allocated_draft_lens or self._capacity_before:  # the V2 scheduler's calls left some
+            for req in reqs:  # the step is over: nothing of it is left to revert
+                self._allocated_draft_lens.pop(req.py_request_id, None)
+                self._capacity_before.pop(req.py_request_id, None)
 
     def add_dummy_requests(
         self,

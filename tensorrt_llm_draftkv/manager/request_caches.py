@@ -70,6 +70,21 @@ class RequestCaches:
     def missing(self, request_ids: Iterable[int]) -> list[int]:
         return [rid for rid in request_ids if rid not in self._by_id]
 
+    def lookup(self, request_ids: Sequence[int]) -> list[KVCache] | None:
+        """The caches of `request_ids`, in order, or None when any has none (the caller names it).
+
+        Shares `require`'s memo: the same ids as the last call, with no cache registered or dropped
+        since, get the last answer back. Read it, do not change it."""
+        last_ids, version, caches = self._last_required
+        if version == self._version and request_ids == last_ids:
+            return caches
+        by_id = self._by_id
+        if any(rid not in by_id for rid in request_ids):
+            return None
+        caches = [by_id[rid] for rid in request_ids]
+        self._last_required = (list(request_ids), self._version, caches)
+        return caches
+
     def require(self, request_ids: Iterable[int], what: str) -> list[KVCache]:
         """The caches of `request_ids`, in order; `MissingKVCacheError` naming every id without one.
 

@@ -31,6 +31,35 @@ def plan_in_order(
     every size valid and, request after request, every pool able to give the pages still
     free after the requests before it. None, changing nothing, when any check fails, a cache
     is named twice or a pool is not plain (`plain_pools`)."""
+    checked = _check_in_order(groups, caches, sizes)
+    if checked is None:
+        return None
+    return [plan if plan is not None else tuple.__new__(ResizePlan, (capacity, history, None))
+            for capacity, history, plan in checked]
+
+
+def resize_in_order(
+    groups: Sequence[LayerGroup], caches: Sequence[KVCache], sizes: Sequence[tuple[int | None, int | None]]
+) -> bool:
+    """Resize `caches[i]` to `sizes[i]` in order, exactly as consecutive `resize` calls would (same
+    pages, same free-list order, same journal entries where one is open), when `plan_in_order`
+    shows every one succeeds. False, changing nothing, otherwise."""
+    checked = _check_in_order(groups, caches, sizes)
+    if checked is None:
+        return False
+    for cache, (capacity, history, plan) in zip(caches, checked):
+        if plan is None:
+            cache.move_cursors(capacity, history)
+        else:
+            cache.apply_plan(plan)
+    return True
+
+
+def _check_in_order(
+    groups: Sequence[LayerGroup], caches: Sequence[KVCache], sizes: Sequence[tuple[int | None, int | None]]
+) -> list[tuple[int, int, ResizePlan | None]] | None:
+    """`plan_in_order`'s answer as (capacity, history, plan) per cache, plan None where only the cursors
+    move: the usual step, answered from `KVCache.cursor_range` without building a plan."""
     if len({id(c) for c in caches}) != len(caches) or not plain_pools(groups):
         return None
     # Groups may share one pool: one balance (free pages left) per distinct pool, by slot.
@@ -39,9 +68,18 @@ def plan_in_order(
     balance = [0] * len(slots)
     for slot, group in zip(slot_of, groups):
         balance[slot] = group.pool.num_free
-    planned: list[ResizePlan] = []
-    append = planned.append
+    checked: list[tuple[int, int, ResizePlan | None]] = []
+    append = checked.append
     for cache, (capacity, history) in zip(caches, sizes):
+        span = cache.cursor_range()
+        if capacity is None:
+            capacity = cache.capacity
+        if history is None:
+            history = cache.history_length
+        if (span.capacity_above < capacity <= span.capacity_max and history <= capacity
+                and cache.history_length <= history <= span.history_max):
+            append((capacity, history, None))
+            continue
         plan = cache.plan_resize(capacity, history)
         if plan is None:
             return None
@@ -51,22 +89,8 @@ def plan_in_order(
                 balance[slot] += len(group_plan.release) - len(group_plan.allocate)
             if min(balance) < 0:
                 return None
-        append(plan)
-    return planned
-
-
-def resize_in_order(
-    groups: Sequence[LayerGroup], caches: Sequence[KVCache], sizes: Sequence[tuple[int | None, int | None]]
-) -> bool:
-    """Resize `caches[i]` to `sizes[i]` in order, exactly as consecutive `resize` calls would (same
-    pages, same free-list order, same journal entries where one is open), when `plan_in_order`
-    shows every one succeeds. False, changing nothing, otherwise."""
-    planned = plan_in_order(groups, caches, sizes)
-    if planned is None:
-        return False
-    for cache, plan in zip(caches, planned):
-        cache.apply_plan(plan)
-    return True
+        append((capacity, history, plan))
+    return checked
 
 
 __all__ = ["plain_pools", "plan_in_order", "resize_in_order"]

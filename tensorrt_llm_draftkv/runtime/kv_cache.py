@@ -35,6 +35,18 @@ class ResizePlan(NamedTuple):
     plans: list[GroupPlan] | None
 
 
+class CursorRange(NamedTuple):
+    """The sizes (absolute tokens) a resize serves by moving only the cursors, for one row state
+    (`KVCache.cursor_range`): capacity in `(capacity_above, capacity_max]` (the same block count in
+    every row) and history at most `history_max` (no windowed block goes newly stale). `version` is
+    the cache's version it was computed at."""
+
+    capacity_above: int
+    capacity_max: int
+    history_max: int
+    version: int
+
+
 class KVCache:
     """capacity / history / committed with real pages, resized all-or-nothing.
 
@@ -79,6 +91,9 @@ class KVCache:
         #: What a mirror of the rows kept elsewhere follows (the manager's device block table
         #: starts it): every changed entry, recorded only once a consumer started it.
         self.changes = ChangeLog(self)
+        #: Groups whose settled mark follows history at every cursor move (full attention).
+        self._full_groups = tuple(g for g, group in enumerate(groups) if group.life_cycle.window is None)
+        self._cursor_range: CursorRange | None = None
 
     # -- queries ----------------------------------------------------------------
     @property
@@ -188,6 +203,33 @@ class KVCache:
         else:
             self._carry_out(plan.capacity, plan.history, plan.plans)
 
+    def cursor_range(self) -> CursorRange:
+        """Which sizes only move the cursors from the current rows (kept until the version changes).
+
+        Exactly the sizes `_rows_stay` accepts: every row spans `n` blocks, so capacity lies in
+        `((n - 1) * P, n * P]`; a window W with settled mark s and sinks k releases a new block
+        once `(history + 1 - W) // P > max(s, k)`, so history stays at most `(max(s, k) + 1) * P + W - 2`.
+        A closed cache, or rows of different lengths, admits no size.
+        """
+        cached = self._cursor_range
+        if cached is not None and cached.version == self.version:
+            return cached
+        P = self.tokens_per_block
+        lengths = {len(row) for row in self._rows}
+        if self.closed or len(lengths) != 1:
+            cached = CursorRange(0, -1, -1, self.version)
+        else:
+            n = lengths.pop()
+            history_max = 1 << 62
+            for group, settled in zip(self.groups, self._settled):
+                window = group.life_cycle.window
+                if window is not None:
+                    mark = max(settled, group.life_cycle.sink_blocks)
+                    history_max = min(history_max, (mark + 1) * P + window - 2)
+            cached = CursorRange((n - 1) * P, n * P, history_max, self.version)
+        self._cursor_range = cached
+        return cached
+
     def _plans(self, capacity: int, history: int) -> list[GroupPlan]:
         return [self._plan_group(g, capacity, history) for g in range(len(self.groups))]
 
@@ -232,16 +274,24 @@ class KVCache:
                         return False
         return True
 
+    def move_cursors(self, capacity: int, history: int) -> None:
+        """Take sizes inside `cursor_range()` (the caller checked them, and that history does not
+        decrease and stays within capacity): only the cursors move, as `resize` would."""
+        if self._journal is None and not self._full_groups:
+            self.capacity = capacity
+            self.history_length = history
+        else:
+            self._move_cursors(capacity, history)
+
     def _move_cursors(self, capacity: int, history: int) -> None:
         """The fast path of `resize`: only capacity, history and full-attention settled marks move."""
         if self._journal is not None:
             scalars = (self.capacity, self.history_length, self.committed)
             self._journal.append(_Undo(scalars, tuple(self._settled), tuple(self._held), [(len(r), []) for r in self._rows]))
-        P = self.tokens_per_block
-        for g, row in enumerate(self._rows):
-            if self.groups[g].life_cycle.window is None:
-                # Full attention never releases: every block wholly below history is final.
-                self._settled[g] = max(self._settled[g], min(history // P, len(row)))
+        P, settled = self.tokens_per_block, self._settled
+        for g in self._full_groups:
+            # Full attention never releases: every block wholly below history is final.
+            settled[g] = max(settled[g], min(history // P, len(self._rows[g])))
         self.capacity = capacity
         self.history_length = history
 
@@ -410,6 +460,7 @@ class KVCache:
             self.keys.adopt(g, keys[g][:n])
         self._settled = settled
         self.capacity = self.history_length = self.committed = tokens
+        self.version += 1
 
     def free(self) -> None:
         """Return every page; the cache cannot be used afterwards."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from operator import add
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -286,11 +287,27 @@ def generation_counts(num_new: Sequence[int] | Mapping[int, int] | None, request
 
 
 def _new_lengths(
-    slots: SlotTable, rows: Sequence[Row], counts: list[int], max_new: int, check_room: RoomCheck
+    slots: SlotTable, rows: Sequence[Row], counts: list[int], max_new: int, check_room: RoomCheck,
+    room: Optional[tuple[Sequence[int], int]] = None,
 ) -> dict[int, int]:
-    """Slot -> its ``ctx_len`` after the step (checked: only generation rows commit, room for the block)."""
-    new_host: dict[int, int] = {}
+    """Slot -> its ``ctx_len`` after the step (checked: only generation rows commit, room for the block).
+
+    ``room``: each row's mirror capacity (tokens) and the block size, when the caller has them: the
+    room is then checked over the batch at once, ``check_room`` called (to raise) only for a row
+    without it.
+    """
     lengths, limit = slots.ctx_len_host, slots.store_limit()  # once, not per row
+    row_slots = [row.slot for row in rows]
+    if (room is not None and (not counts or (min(counts) >= 0 and max(counts) <= max_new))
+            and len(set(row_slots)) == len(row_slots) and all(row.kind == "generation" for row in rows)):
+        # The usual generation step, batch-wide: valid counts, one row per slot, generation rows only.
+        new = [n if n < limit else limit for n in map(add, map(lengths.__getitem__, row_slots), counts)]
+        capacities, block_size = room
+        for row, n, cap in zip(rows, new, capacities):
+            if n + block_size > cap and row.proposing:
+                check_room(row, n)  # raises, naming the request and the numbers
+        return dict(zip(row_slots, new))
+    new_host: dict[int, int] = {}
     for row, n in zip(rows, counts):
         if n and row.kind != "generation":
             raise ValueError(
@@ -321,6 +338,7 @@ def prepare_generation(
     check_room: RoomCheck,
     read_windows: Optional[Sequence[Optional[int]]] = None,
     buffers: Optional[StepBuffers] = None,
+    capacities: Optional[Sequence[int]] = None,
 ) -> list[PagedLatentPrep]:
     """One :class:`PagedLatentPrep` per pool; advances every row's slot to ``min(L + n, limit)``.
 
@@ -330,10 +348,12 @@ def prepare_generation(
     (tokens, ``None`` = unbounded) bounds pool ``g``'s read rows to the
     drafter's window (:func:`read_windows`). ``buffers``: the step's inputs and the ring
     form's outputs kept in place, its launches bound to them (a preparation is then valid
-    until the next step's).
+    until the next step's). ``capacities``: each row's mirror capacity (tokens), when known, so
+    the room for each row's block is checked over the batch at once (else ``check_room`` per row).
     """
-    new_host = _new_lengths(slots, rows, counts, max_new, check_room)
-    consumed = {row.slot: n for row, n in zip(rows, counts)}
+    room = None if capacities is None else (capacities, block_size)
+    new_host = _new_lengths(slots, rows, counts, max_new, check_room, room)
+    consumed = dict(zip([row.slot for row in rows], counts))
     slots.raise_bases(new_host)
     n_t = buffers.num_new(counts) if buffers is not None else torch.tensor(counts, dtype=torch.int64,
                                                                           device=slots.device)
@@ -361,8 +381,7 @@ def prepare_generation(
         ))
     if rows:
         slots.ctx_len.index_copy_(0, slot_ids, preps[0].new_ctx_len)
-    for slot, new in new_host.items():
-        slots.advance_host(slot, new, consumed[slot])
+    slots.advance_hosts(new_host, consumed)
     return preps
 
 

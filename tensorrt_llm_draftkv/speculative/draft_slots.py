@@ -300,6 +300,18 @@ class DFlashDraftSlots:
                 "steps, then call prepare_step() again"
             )
 
+    def _mirror_capacities(self) -> Optional[list[int]]:
+        """Each row's mirror capacity (tokens): the rows' room checked at once. None without a pool, or
+        when a row's mirror is gone (the per-row checks then name it)."""
+        dm = self.draft_manager
+        if dm is None:
+            return None
+        get = dm.get_cache
+        try:
+            return [get(row.request.py_request_id).capacity for row in self.rows]
+        except KeyError:
+            return None
+
     def _check_room(self, row: Row, new_ctx: int) -> None:
         addressing.check_block_room(self.draft_manager, row.request_id, new_ctx, self.block_size)
 
@@ -346,6 +358,7 @@ class DFlashDraftSlots:
             self.slots, self.rows, self.tables, self.slot_ids, counts, block_size=self.block_size,
             max_new=self.max_new_tokens, fused=self.fused, check_room=self._check_room,
             read_windows=addressing.read_windows(self.draft_manager, self.read_bound), buffers=self.buffers,
+            capacities=self._mirror_capacities(),
         )
         return self._prep
 

@@ -376,6 +376,13 @@ class SlotTable:
         self._offset_host[slot] += consumed - (new_len - self._ctx_host[slot])
         self._ctx_host[slot] = new_len
 
+    def advance_hosts(self, lengths: dict[int, int], consumed: dict[int, int]) -> None:
+        """`advance_host` for every slot -> new length of `lengths`, taking `consumed[slot]` tokens."""
+        ctx, offset = self._ctx_host, self._offset_host
+        for slot, new_len in lengths.items():
+            offset[slot] += consumed[slot] - (new_len - ctx[slot])
+            ctx[slot] = new_len
+
     def commit_store(self, slot: int, new_len: int, consumed: int) -> None:
         """A context store took ``consumed`` tokens: length (host, device) and clamped base."""
         self.advance_host(slot, new_len, consumed)

@@ -307,3 +307,17 @@ def test_a_repeated_batch_lookup_still_sees_a_dropped_or_replaced_cache():
     mgr.free_resources(_Req(1))
     with pytest.raises(MissingKVCacheError, match="request 1"):
         mgr.caches.require([1, 2], "t")
+
+
+def test_lookup_shares_the_memo_and_answers_none_for_a_missing_id():
+    """`caches.lookup` (the managers' per-step path) gives the same memoised list as `require`, a fresh one
+    after a registration or a drop, and None, changing nothing, when any id holds no cache."""
+    mgr = _with_requests((1, 2))
+    first = mgr.caches.lookup([1, 2])
+    assert first == [mgr.get_cache(1), mgr.get_cache(2)]
+    assert mgr.caches.lookup([1, 2]) is first and mgr.caches.require([1, 2], "t") is first
+    assert mgr.caches.lookup([2, 1]) == [mgr.get_cache(2), mgr.get_cache(1)]
+    assert mgr.caches.lookup([1, 7]) is None
+    mgr.free_resources(_Req(2))
+    assert mgr.caches.lookup([1, 2]) is None
+    assert mgr.caches.lookup([1]) == [mgr.get_cache(1)]

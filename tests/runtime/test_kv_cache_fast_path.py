@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import random
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tensorrt_llm_draftkv.runtime import KVCache, LayerGroup, LifeCycle, PagePool
 
 P = 4
@@ -71,3 +74,31 @@ def test_fast_and_full_paths_agree_on_random_steps():
             assert fast.resize(capacity, history) == full.resize(capacity, history)
             assert fast.checkpoint() == full.checkpoint()
             assert [g.pool.num_free for g in fast.groups] == [g.pool.num_free for g in full.groups]
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    window=st.sampled_from([None, 1, 3, 4, 5, 8, 9, 17]),
+    sinks=st.integers(0, 2),
+    walk=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9)), min_size=1, max_size=25),
+    probes=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), min_size=1, max_size=12),
+)
+def test_cursor_range_is_exactly_the_sizes_that_move_only_cursors(window, sinks, walk, probes):
+    """After any walk of resizes (growth, window releases, rollbacks), a size lies inside `cursor_range()`
+    exactly when `_rows_stay` accepts it; a cached range follows every row change (version)."""
+    cache, _ = _cache(window, sinks)
+    history = 0
+    for grow, advance in walk:
+        history += advance
+        if not cache.resize(history + grow, history):
+            break
+        span = cache.cursor_range()
+        assert span.version == cache.version
+        for extra, more in probes:
+            h = cache.history_length + more
+            c = h + extra
+            inside = span.capacity_above < c <= span.capacity_max and h <= span.history_max
+            assert inside == cache._rows_stay(c, h), (c, h, span)
+    cache.free()
+    span = cache.cursor_range()
+    assert span.capacity_max <= span.capacity_above  # a freed cache admits no size
