@@ -135,3 +135,44 @@ def test_unpaired_descriptors_are_refused():
         TransferRequest("WRITE", a, b, "peer", b"req:3")
     with pytest.raises(ValueError, match="length 0"):
         MemoryDescs("DRAM", np.array([[0, 0, 0]]))
+
+
+def _python_calls(fn) -> int:
+    """Python-level function calls (and C calls made from Python) while `fn` runs."""
+    import sys
+
+    count = 0
+
+    def tally(frame, event, arg):
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    sys.setprofile(tally)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_a_requests_descriptors_cost_the_same_python_at_any_page_count(scattered):
+    """One request's WRITE (two layers of pages, then its auxiliary slot) runs the same number of Python calls
+    for 8 pages as for 2,048: the page count reaches only numpy, never a Python loop."""
+    src, dst = [_region(0x1000, pages=5000), _region(0x900000, pages=5000)], [_region(0x9000, pages=5000),
+                                                                               _region(0xF00000, pages=5000)]
+    aux_src, aux_dst = _region(0x77000, pages=4), _region(0x88000, pages=4)
+    rng = np.random.default_rng(3)
+
+    def build(n: int):
+        pages = rng.choice(5000, n, replace=False) if scattered else np.arange(100, 100 + n)
+        their = rng.choice(5000, n, replace=False) if scattered else np.arange(900, 900 + n)
+        s, d = page_write_descs(src, pages, dst, their)
+        return np.concatenate([s, slot_descs(aux_src, 1, 64)]), np.concatenate([d, slot_descs(aux_dst, 2, 64)])
+
+    build(3)  # the regions' per-layer arrays are worked out once (cached)
+    small, large = _python_calls(lambda: build(8)), _python_calls(lambda: build(2048))
+    assert small == large
+    s, _ = build(2048)
+    assert len(s) == (2 * 2048 + 1 if scattered else 2 + 1)  # and the pages really were there
