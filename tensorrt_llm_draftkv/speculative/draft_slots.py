@@ -219,12 +219,17 @@ class DFlashDraftSlots:
         reqs = [*batch.context_requests, *batch.generation_requests]
         kinds = ["context"] * len(batch.context_requests) + ["generation"] * len(batch.generation_requests)
         ids = [r.py_request_id for r in reqs]
-        if self._repeats_last_step(reqs, ids, dm):
-            self.tables = self._decode_tables(dm, ids, [r.slot for r in self.rows])
-            self.seeds = {}
-            self._prep = None
-            self._rows_version = self.slots.version
-            return self.rows
+        if self._repeats_last_step(reqs, dm):
+            try:
+                tables = self._decode_tables(dm, ids, [r.slot for r in self.rows])
+            except KeyError:  # a mirror is gone (the decode looks every one up): planning below names it
+                tables = None
+            if tables is not None:
+                self.tables = tables
+                self.seeds = {}
+                self._prep = None
+                self._rows_version = self.slots.version
+                return self.rows
         self._validate(ids, dm)
         dummy_ids = [r.py_request_id for r in reqs if r.is_dummy]
         plan = self.slots.plan(ids, dummy_ids, None if dm is None else dm.has_cache)
@@ -248,16 +253,15 @@ class DFlashDraftSlots:
             ring=self.read_bound == "window" and self.seeding is not Seeding.SLOT_LOCAL,
         )
 
-    def _repeats_last_step(self, reqs: list[LlmRequest], ids: list[int], dm: Optional[DraftPool]) -> bool:
+    def _repeats_last_step(self, reqs: list[LlmRequest], dm: Optional[DraftPool]) -> bool:
         """The same generation requests (the same objects, in the same rows) as the last step, on the same
-        pool, with no slot gained, lost or seeded since, and every mirror still there: the rows, slots and
-        seeds would come out the same, so the step keeps them (a slot whose request left the pool meanwhile
-        is freed by the next step that plans)."""
+        pool, with no slot gained, lost or seeded since: the rows, slots and seeds would come out the same,
+        so the step keeps them (a slot whose request left the pool meanwhile is freed by the next step that
+        plans). That every mirror is still there is shown by the tables' decode, which looks each one up."""
         last = self._last_step
         return (
             last is not None and last[1] is dm and last[2] == self.slots.version and len(reqs) == len(last[0])
             and all(map(operator.is_, reqs, last[0])) and not any(r.is_dummy for r in reqs)
-            and (dm is None or all(map(dm.has_cache, ids)))
         )
 
     def _validate(self, ids: list[int], dm: Optional[DraftPool]) -> None:
