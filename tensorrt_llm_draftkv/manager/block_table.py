@@ -68,13 +68,20 @@ def last_of_each(key: np.ndarray) -> np.ndarray:
     return key.size - 1 - last
 
 
+#: below this many entries a sync keeps the last of each in Python: a handful of numpy calls costs more
+#: than the entries, above all inside a step whose other work has evicted numpy from the caches
+SMALL_LOG = 256
+
+
 def _last_entries(rows: list[int], ordinals: list[int], pages: list[int]) -> tuple[np.ndarray, ...]:
-    """The entries as int64 arrays, only the last one of each (row, ordinal)."""
+    """The entries as int64 arrays, only the last one of each (row, ordinal), by ascending (row, ordinal)."""
+    if len(rows) <= SMALL_LOG:
+        last = sorted(dict(zip(zip(rows, ordinals), pages)).items())  # a dict keeps the last value of a key
+        flat = np.array([(r, o, page) for (r, o), page in last], dtype=np.int64).reshape(-1, 3)
+        return flat[:, 0], flat[:, 1], flat[:, 2]
     r, o, page = (np.array(a, dtype=np.int64) for a in (rows, ordinals, pages))
-    if r.size > 1:
-        keep = last_of_each((r << 40) | o)  # ordinals < 2**40
-        r, o, page = r[keep], o[keep], page[keep]
-    return r, o, page
+    keep = last_of_each((r << 40) | o)  # ordinals < 2**40
+    return r[keep], o[keep], page[keep]
 
 
 @dataclass

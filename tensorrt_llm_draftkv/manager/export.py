@@ -222,24 +222,28 @@ def write_block_offsets(
         dst_tensor[:, :num_seqs, :, :width].copy_(torch.from_numpy(offsets))
 
 
+def k_offset_values(layout: OffsetLayout, pools: np.ndarray, pages: np.ndarray) -> np.ndarray:
+    """The `"cpp"` K offset of each `(pools[i], pages[i])` entry (int64): `page * kv_factor`, or the pool's
+    fill for an unbacked page (BAD_PAGE_INDEX)."""
+    fills = np.array([_fill(layout, p, backend="cpp") for p in range(layout.num_pools)], dtype=np.int64)
+    return np.where(pages >= 0, pages * layout.kv_factor, fills[pools])
+
+
 def write_block_offset_values(
     layout: OffsetLayout, dst_tensor: torch.Tensor, rows: np.ndarray, pools: np.ndarray, ordinals: np.ndarray,
-    pages: np.ndarray,
+    k_vals: np.ndarray,
 ) -> int:
     """Write single entries of upstream's layout into `dst_tensor` (`"cpp"` offsets, as
-    `write_block_offsets`): ordinal `ordinals[i]` of pool `pools[i]` in batch row `rows[i]` is
-    backed by `pages[i]` (BAD_PAGE_INDEX: unbacked); int64 arrays, one entry per (row, pool,
-    ordinal), each ordinal below the destination's width.
+    `write_block_offsets`): ordinal `ordinals[i]` of pool `pools[i]` in batch row `rows[i]` gets K
+    offset `k_vals[i]` (`k_offset_values`) and V offset `k_vals[i] + 1` (with K and V slots); int64
+    arrays, one entry per (row, pool, ordinal), each ordinal below the destination's width.
 
     K and V go in as one batch: on the CPU straight into the tensor's memory, on a device as
     one staged buffer (flat indices and int32 values), one asynchronous copy from pinned memory
     and one scatter. Returns the entries written (K and V counted)."""
     if not rows.size:
         return 0
-    kv = layout.kv_factor
-    v_slot = 1 if kv > 1 else 0
-    fills = np.array([_fill(layout, p, backend="cpp") for p in range(layout.num_pools)], dtype=np.int64)
-    k_vals = np.where(pages >= 0, pages * kv, fills[pools])
+    v_slot = 1 if layout.kv_factor > 1 else 0
     s0, s1, s2, s3 = dst_tensor.stride()
     k_at = pools * s0 + rows * s1 + ordinals * s3
     flat = np.concatenate([k_at, k_at + s2])
@@ -312,6 +316,7 @@ def check_copy_args(
 
 
 __all__ = [
-    "OffsetLayout", "block_offset_array", "block_tables", "check_copy_args", "get_block_offsets", "live_width",
+    "OffsetLayout", "block_offset_array", "block_tables", "check_copy_args", "get_block_offsets", "k_offset_values",
+    "live_width",
     "write_block_offset_values", "write_block_offsets",
 ]

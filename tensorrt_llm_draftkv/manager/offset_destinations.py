@@ -51,17 +51,19 @@ class _Written:
 @dataclass(frozen=True)
 class Write:
     """What one `copy_batch_block_offsets` call changed in a destination: batch rows written whole,
-    and single entries `(rows[i], pools[i], ordinals[i])` (K and V both; int64 arrays)."""
+    and single entries `(rows[i], pools[i], ordinals[i])` given K offset `k_values[i]` (V the next
+    slot; int64 arrays)."""
 
     serial: int
     full: tuple[int, ...]
     rows: np.ndarray
     pools: np.ndarray
     ordinals: np.ndarray
+    k_values: np.ndarray
 
 
 _EMPTY = np.empty(0, dtype=np.int64)
-_NO_ENTRIES = (_EMPTY, _EMPTY, _EMPTY)
+_NO_ENTRIES = (_EMPTY, _EMPTY, _EMPTY, _EMPTY)
 
 
 def _key(dst: torch.Tensor) -> int:
@@ -136,20 +138,26 @@ class OffsetDestinations:
         w = self._trusted(dst)
         return None if w is None else w.serial
 
-    def written_since(self, dst: torch.Tensor, serial: int) -> tuple[set[int], np.ndarray, np.ndarray, np.ndarray] | None:
+    def written_since(
+        self, dst: torch.Tensor, serial: int
+    ) -> tuple[set[int], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """What the writes into `dst` after write `serial` changed: `(rows written whole, rows, pools,
-        ordinals)` of the single entries (batch rows, absolute block ordinals, repeats possible); None
-        when that is not known (never written by this manager, written by someone else since, or those
-        writes no longer remembered). Lets a reader of `dst` (the DFlash worker's decoded tables)
-        follow it at the cost of what changed."""
+        ordinals, k_values)` of the single entries (batch rows, absolute block ordinals, the K offset
+        written; in write order, repeats possible: the last one holds); None when that is not known
+        (never written by this manager, written by someone else since, or those writes no longer
+        remembered). Lets a reader of `dst` (the DFlash worker's decoded tables) follow it at the cost
+        of what changed, without reading `dst` back."""
         w = self._trusted(dst)
         if w is None or not w.floor <= serial <= w.serial:
             return None
         later = [e for e in w.log if e.serial > serial]
         if not later:
-            return set(), _EMPTY, _EMPTY, _EMPTY
+            return set(), _EMPTY, _EMPTY, _EMPTY, _EMPTY
         full = set().union(*(e.full for e in later))
-        return (full, *(np.concatenate([getattr(e, a) for e in later]) for a in ("rows", "pools", "ordinals")))
+        if len(later) == 1:
+            return full, later[0].rows, later[0].pools, later[0].ordinals, later[0].k_values
+        fields = ("rows", "pools", "ordinals", "k_values")
+        return (full, *(np.concatenate([getattr(e, a) for e in later]) for a in fields))
 
     def _trusted(self, dst: torch.Tensor) -> "_Written | None":
         w = self._written.get(_key(dst))
@@ -159,9 +167,9 @@ class OffsetDestinations:
 
     @staticmethod
     def _write_logged(layout: export.OffsetLayout, dst: torch.Tensor, delta: TableDelta, batch_row: np.ndarray,
-                      width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                      width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The delta's entries of the rows `batch_row` maps (table row -> batch row, -1: none), below `width`;
-        returns the `(rows, pools, ordinals)` written."""
+        returns the `(rows, pools, ordinals, k_values)` written."""
         g = np.concatenate([np.full(r.size, grp, dtype=np.int64) for grp, r, _, _ in delta.entries])
         r, o, page = (np.concatenate([e[i] for e in delta.entries]) for i in (1, 2, 3))
         b = np.where(r < batch_row.size, batch_row[np.minimum(r, batch_row.size - 1)], -1)
@@ -172,8 +180,9 @@ class OffsetDestinations:
         g, b, o, page = g[keep], b[keep], o[keep], page[keep]
         pick = last_of_each((g << 56) | (b << 36) | o)
         b, g, o = b[pick], g[pick], o[pick]
-        export.write_block_offset_values(layout, dst, b, g, o, page[pick])
-        return b, g, o
+        k_values = export.k_offset_values(layout, g, page[pick])
+        export.write_block_offset_values(layout, dst, b, g, o, k_values)
+        return b, g, o, k_values
 
     @staticmethod
     def _write_full(

@@ -303,11 +303,18 @@ class KVCache:
         # the row's new or cut-off tail first (unbacked: an ordinal that grows in unbacked, a window's
         # stale range, must read so in a mirror that last saw another row in that place), then what
         # loses its page, then what gets one; whole chunks, not pairs: this runs at every page crossing
-        self.changes.record(
-            (g, range(min(plan.new_len, old_len), max(plan.new_len, old_len)), None),
-            (g, plan.clear, None),
-            (g, plan.allocate, pages),
-        )
+        # (Only the non-empty chunks; a grown tail that this very plan backs whole is left out, since its
+        # pages supersede it: a generation step's page crossing then logs one chunk.)
+        grown = plan.new_len - old_len
+        allocate = plan.allocate
+        covered = 0 < grown <= len(allocate) and allocate[-grown] == old_len and allocate[-1] == plan.new_len - 1
+        chunks = [] if grown == 0 or covered else [(g, range(min(plan.new_len, old_len), max(plan.new_len, old_len)), None)]
+        if plan.clear:
+            chunks.append((g, plan.clear, None))
+        if allocate:
+            chunks.append((g, allocate, pages))
+        if chunks:
+            self.changes.record(*chunks)
         if plan.new_len < old_len:
             saved += [(o, row[o]) for o in range(plan.new_len, old_len)]
             del row[plan.new_len :]

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..kernels import ring_entries
+from ..manager.block_table import last_of_each
 from ..staging import to_device
 from .draft_pool import DraftPool
 
@@ -79,20 +80,19 @@ class PoolBinding:
             for p in range(len(self.tables)):
                 self._decode_rows(src, p, torch.arange(num_seqs, device=self.device), num_seqs)
         else:
-            full, rows, pools, ordinals = since
+            full, rows, pools, ordinals, k_values = since
             full = sorted({b for b in full if b < num_seqs} | set(range(last[3], num_seqs)))
             self.rows_decoded_whole = len(full)
             if rows.size:
                 keep = rows < num_seqs
                 if full:
                     keep &= ~np.isin(rows, full)
-                rows, pools, ordinals = rows[keep], pools[keep], ordinals[keep]
-            for p in range(len(self.tables)):
-                if full:
+                rows, pools, ordinals, k_values = rows[keep], pools[keep], ordinals[keep], k_values[keep]
+            if full:
+                for p in range(len(self.tables)):
                     self._decode_rows(src, p, torch.tensor(full, device=self.device), num_seqs)
-                mine = pools == p
-                if rows.size and mine.any():
-                    self._decode_entries(src, p, rows[mine], ordinals[mine])
+            if rows.size:
+                self._decode_entries(rows, pools, ordinals, k_values)
         serial = writes.serial(src) if writes is not None else None
         self.decoded = None if serial is None else (weakref.ref(src), serial, src.shape[-1], num_seqs)
 
@@ -110,18 +110,23 @@ class PoolBinding:
         decoded[:, :width] = encoded.clamp(min=0).div(self.kv_factor, rounding_mode="floor").to(torch.int32)
         table[rows] = decoded
 
-    def _decode_entries(self, src: torch.Tensor, p: int, rows: np.ndarray, ordinals: np.ndarray) -> None:
-        """Single entries of pool p's table from `src` (the manager's "cpp" offsets: never negative, so
-        the row counts stay)."""
-        table = self.tables[p]
-        s0, s1, _, s3 = src.stride()
-        at_src = p * s0 + rows * s1 + ordinals * s3
-        at_table = rows * table.stride(0) + ordinals
-        index = to_device(np.concatenate([at_src, at_table]), self.device)
-        n = rows.size
-        memory = torch.as_strided(src, (int(at_src.max()) + 1,), (1,))
-        values = memory.index_select(0, index[:n]).long().clamp(min=0).div(self.kv_factor, rounding_mode="floor")
-        table.view(-1).index_copy_(0, index[n:], values.to(torch.int32))
+    def _decode_entries(self, rows: np.ndarray, pools: np.ndarray, ordinals: np.ndarray, k_values: np.ndarray) -> None:
+        """Single entries of the tables from the K offsets the manager wrote (its "cpp" offsets are never
+        negative, so the row counts stay): decoded on the host, the last write of each entry kept, then
+        per pool one staged copy and one scatter. `src` is not read back."""
+        keep = last_of_each((pools << 56) | (rows << 36) | ordinals)
+        rows, pools, ordinals = rows[keep], pools[keep], ordinals[keep]
+        pages = np.maximum(k_values[keep], 0) // self.kv_factor
+        for p in sorted(set(pools.tolist())):
+            table = self.tables[p]
+            mine = pools == p
+            flat = rows[mine] * table.stride(0) + ordinals[mine]
+            if table.device.type == "cpu":  # straight into the table's memory
+                table.view(-1).numpy()[flat] = pages[mine]
+                continue
+            staged = to_device(np.concatenate([flat, pages[mine]]), self.device)
+            n = flat.size
+            table.view(-1).index_copy_(0, staged[:n], staged[n:].to(torch.int32))
 
     def pages_for(self, rows: torch.Tensor, positions: torch.Tensor) -> dict[int, torch.Tensor]:
         """Pool -> int64 `[n]` page of each `(row, position)`; -1 past the table's width."""

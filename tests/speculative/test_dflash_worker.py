@@ -250,6 +250,32 @@ def test_tables_refreshed_from_a_kept_offsets_tensor_decode_only_what_changed():
     assert torch.equal(rig.worker._ctx_block_tables[:2, : tables.shape[1]].cpu(), tables)
 
 
+def test_several_manager_writes_between_two_refreshes_decode_to_the_last_one():
+    """The manager writes the kept tensor several times (pages gained and released in between, an entry
+    written more than once) before the worker decodes: the tables equal a whole decode of the tensor, taken
+    from the values the manager logged (the tensor is not read back), each entry's last write holding."""
+    rig = Rig(keep_offsets=True)
+    a, b = req(1, 61, 32), req(2, 20, 32)
+    prefill(rig, a, b, chunk=32)
+    batch = ScheduledRequests(generation_requests=[a, b])
+    rig.generation_step(batch, {1: 0, 2: 0})
+    pool = rig.worker._bound()
+    dst = rig.attn.draft_kv_cache_block_offsets
+    ids = [1, 2]
+    for extra in (9, 23, 40, 3):  # each write follows a resize: pages come and go, entries are rewritten
+        for rid in ids:
+            cache = rig.draft.get_cache(rid)
+            assert cache.resize(cache.capacity + extra, cache.history_length + extra)
+        rig.draft.copy_batch_block_offsets(dst, ids, 1, 0, 2)
+    assert rig.draft.offset_destinations.last_full_rows == 0  # entry by entry, not whole rows
+    assert pool.decoded is not None
+    rig.worker._refresh_ctx_block_tables(rig.attn, 2)
+    assert pool.rows_decoded_whole == 0
+    tables, counts = _decoded_whole(dst, 2)
+    assert torch.equal(rig.worker._ctx_block_tables[:2, : tables.shape[1]].cpu(), tables)
+    assert torch.equal(pool.counts[0][:2].cpu(), counts)
+
+
 def test_refresh_errors_say_what_is_missing():
     rig = Rig()
     a = req(1, 16, 16)
