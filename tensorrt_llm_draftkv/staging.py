@@ -34,4 +34,19 @@ def to_device(values: HostValues, device: torch.device | str) -> torch.Tensor:
     return staged(values, device).to(device, non_blocking=True)
 
 
-__all__ = ["staged", "to_device"]
+def scatter_int32(memory: torch.Tensor, flat: np.ndarray, values: np.ndarray) -> None:
+    """`memory[flat[i]] = values[i]` for a 1-D int32 tensor (distinct int64 `flat` offsets): on the CPU
+    straight into its storage, on a device as one staged buffer (the offsets, then the values two per
+    int64 slot), one asynchronous copy from pinned memory and one scatter."""
+    if memory.device.type == "cpu":
+        memory.numpy()[flat] = values
+        return
+    n = flat.size
+    buf = np.empty(n + (n + 1) // 2, dtype=np.int64)
+    buf[:n] = flat
+    buf[n:].view(np.int32)[:n] = values
+    on_device = to_device(buf, memory.device)
+    memory.index_copy_(0, on_device[:n], on_device[n:].view(torch.int32)[:n])
+
+
+__all__ = ["scatter_int32", "staged", "to_device"]

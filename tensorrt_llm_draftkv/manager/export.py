@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..runtime import BAD_PAGE_INDEX, KVCache
-from ..staging import to_device
+from ..staging import scatter_int32
 
 
 @dataclass(frozen=True)
@@ -248,18 +248,9 @@ def write_block_offset_values(
     k_at = pools * s0 + rows * s1 + ordinals * s3
     flat = np.concatenate([k_at, k_at + s2])
     values = np.concatenate([k_vals, k_vals + v_slot])
-    n = flat.size
     # the tensor's memory from its first element to its last written one, by flat offset (any strides)
-    memory = torch.as_strided(dst_tensor, (int(flat.max()) + 1,), (1,))
-    if dst_tensor.device.type == "cpu":
-        memory.numpy()[flat] = values
-        return n
-    buf = np.empty(n + (n + 1) // 2, dtype=np.int64)  # [flat offsets (n) | n int32 values, two per slot]
-    buf[:n] = flat
-    buf[n:].view(np.int32)[:n] = values
-    staged = to_device(buf, dst_tensor.device)
-    memory.index_copy_(0, staged[:n], staged[n:].view(torch.int32)[:n])
-    return n
+    scatter_int32(torch.as_strided(dst_tensor, (int(flat.max()) + 1,), (1,)), flat, values)
+    return flat.size
 
 
 def check_copy_args(

@@ -17,7 +17,7 @@ import torch
 
 from ..kernels import ring_entries
 from ..manager.block_table import last_of_each
-from ..staging import to_device
+from ..staging import scatter_int32
 from .draft_pool import DraftPool
 
 
@@ -113,20 +113,14 @@ class PoolBinding:
     def _decode_entries(self, rows: np.ndarray, pools: np.ndarray, ordinals: np.ndarray, k_values: np.ndarray) -> None:
         """Single entries of the tables from the K offsets the manager wrote (its "cpp" offsets are never
         negative, so the row counts stay): decoded on the host, the last write of each entry kept, then
-        per pool one staged copy and one scatter. `src` is not read back."""
+        per pool one staged copy and one scatter (`scatter_int32`). `src` is not read back."""
         keep = last_of_each((pools << 56) | (rows << 36) | ordinals)
         rows, pools, ordinals = rows[keep], pools[keep], ordinals[keep]
         pages = np.maximum(k_values[keep], 0) // self.kv_factor
         for p in sorted(set(pools.tolist())):
             table = self.tables[p]
             mine = pools == p
-            flat = rows[mine] * table.stride(0) + ordinals[mine]
-            if table.device.type == "cpu":  # straight into the table's memory
-                table.view(-1).numpy()[flat] = pages[mine]
-                continue
-            staged = to_device(np.concatenate([flat, pages[mine]]), self.device)
-            n = flat.size
-            table.view(-1).index_copy_(0, staged[:n], staged[n:].to(torch.int32))
+            scatter_int32(table.view(-1), rows[mine] * table.stride(0) + ordinals[mine], pages[mine])
 
     def pages_for(self, rows: torch.Tensor, positions: torch.Tensor) -> dict[int, torch.Tensor]:
         """Pool -> int64 `[n]` page of each `(row, position)`; -1 past the table's width."""
