@@ -310,6 +310,16 @@ class KVCacheManagerV2(SchedulerContract, UpstreamAccessors, OffsetCalls):
                 f"(live requests: {self.request_ids()[:16]})"
             ) from None
 
+    def get_caches(self, request_ids: Sequence[int]) -> list[KVCache]:
+        """The caches of `request_ids`, in order (ours: one lookup for a batch; a repeated batch gets the
+        same list back, so read it, do not change it). KeyError naming the ids without one."""
+        caches = self.caches.lookup(request_ids)
+        if caches is None:
+            missing = self.caches.missing(request_ids)
+            raise KeyError(f"{self.error_label}: requests {missing} have no cache here "
+                           f"(live requests: {self.request_ids()[:16]})")
+        return caches
+
     def pool_diagnostic(self) -> str:
         """Every live cache's capacity, history and blocks, the windows and the free pages per group."""
         return self.caches.diagnostic()

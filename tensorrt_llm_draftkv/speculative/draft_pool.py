@@ -55,6 +55,9 @@ class DraftPool(Protocol):
 
     def get_cache(self, request_id: int) -> MirrorCache: ...
 
+    def get_caches(self, request_ids: Sequence[int]) -> Sequence[MirrorCache]:
+        """The mirrors of a batch, in order (KeyError for an id without one)."""
+
     def block_tables(self, request_ids: Iterable[int], backend: str = "cpp", *,
                      width: int | str | None = "live") -> list[tuple[torch.Tensor, torch.Tensor]]: ...
 

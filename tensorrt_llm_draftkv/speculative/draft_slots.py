@@ -310,9 +310,8 @@ class DFlashDraftSlots:
         dm = self.draft_manager
         if dm is None:
             return None
-        get = dm.get_cache
         try:
-            return [get(row.request.py_request_id).capacity for row in self.rows]
+            return [cache.capacity for cache in dm.get_caches(self.request_ids)]
         except KeyError:
             return None
 

@@ -356,13 +356,18 @@ class SlotTable:
 
     def raise_bases(self, lengths: dict[int, int]) -> None:
         """`raise_base` for every slot -> length of `lengths`, the device bases written with one copy."""
+        if self.private_arena:  # an arena's base never rises (`clamped_base`)
+            return
         raised_slots, raised = [], []
+        limit, P, bases = self.max_ctx_len, self.tokens_per_block, self._base_host
         for slot, ctx_len in lengths.items():
-            base = self.clamped_base(ctx_len, self._base_host[slot])
-            if base != self._base_host[slot]:
-                self._base_host[slot] = base
-                raised_slots.append(slot)
-                raised.append(base)
+            over = ctx_len - limit
+            if over > 0:  # `clamped_base` inlined: this runs for every row of every step
+                base = min(-(-over // P), ctx_len // P)
+                if base > bases[slot]:
+                    bases[slot] = base
+                    raised_slots.append(slot)
+                    raised.append(base)
         if raised:
             values = to_device(torch.tensor([raised_slots, raised], dtype=torch.int64), self.base_pages.device)
             self.base_pages.index_copy_(0, values[0], values[1].to(self.base_pages.dtype))

@@ -325,3 +325,10 @@ def test_lookup_shares_the_memo_and_answers_none_for_a_missing_id():
     mgr.free_resources(_Req(2))
     assert mgr.caches.lookup([1, 2]) is None
     assert mgr.caches.lookup([1]) == [mgr.get_cache(1)]
+
+
+def test_get_caches_answers_a_batch_in_order_and_names_the_missing():
+    mgr = _with_requests((1, 2, 3))
+    assert mgr.get_caches([3, 1]) == [mgr.get_cache(3), mgr.get_cache(1)]
+    with pytest.raises(KeyError, match=r"requests \[7, 9\] have no cache here"):
+        mgr.get_caches([1, 7, 9])

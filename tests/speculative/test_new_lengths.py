@@ -66,3 +66,21 @@ def test_bad_counts_and_shared_slots_take_the_per_row_path_and_its_errors():
     context = [Row(_Req(1), 0, "context", True), Row(_Req(2), 1, "generation", True)]
     with pytest.raises(ValueError, match="request 1 is a context row"):
         _new_lengths(table, context, [1, 0], MAX_NEW, lambda row, new: None, room)
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    slots=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 12)), min_size=1, max_size=8),
+    arena=st.booleans(),
+)
+def test_raised_bases_are_each_slots_clamped_base(slots, arena):
+    """`raise_bases` (the batch's bases in one pass, one device copy) leaves every slot's base, host and device,
+    at `clamped_base` of its new length, and no other slot's."""
+    table = _table([0] * len(slots), arena=arena)
+    table._base_host = [b for _, b in slots] + [3]
+    table.base_pages.copy_(torch.tensor(table._base_host))
+    lengths = {i: length for i, (length, _) in enumerate(slots) if i % 2 == 0 or length > 50}
+    want = [table.clamped_base(lengths[i], b) if i in lengths else b for i, (_, b) in enumerate(slots)] + [3]
+    table.raise_bases(lengths)
+    assert table._base_host == want
+    assert table.base_pages.tolist() == want
