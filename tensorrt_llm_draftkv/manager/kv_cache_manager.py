@@ -503,13 +503,12 @@ class KVCacheManagerV2(SchedulerContract, UpstreamAccessors, OffsetCalls):
         and for its stats) are not needed here: drafts are written at their final positions.
         """
         live, suspended = self.caches, self._suspended  # `is_request_active`, once per request
-        reqs = [
-            r for r in scheduled_batch.all_requests()
-            if r.max_beam_num_tokens > r.prompt_len and not r.is_dummy and r.py_request_id in live
-            and r.py_request_id not in suspended
-        ]  # (`generated_tokens(r) >= 1` inlined: this runs for every request of every step)
-        caches = live.lookup([r.py_request_id for r in reqs])
-        assert caches is not None  # every one was just found live
+        # (`generated_tokens(r) >= 1` inlined: this runs for every request of every step)
+        reqs = [r for r in scheduled_batch.all_requests() if r.max_beam_num_tokens > r.prompt_len and not r.is_dummy]
+        caches = None if suspended else live.lookup([r.py_request_id for r in reqs])  # usually every one is live
+        if caches is None:
+            reqs = [r for r in reqs if r.py_request_id in live and r.py_request_id not in suspended]
+            caches = [live[r.py_request_id] for r in reqs]
         sizes = rules.after_step_sizes([r.max_beam_num_tokens for r in reqs], [c.history_length for c in caches],
                                        [c.capacity for c in caches], self.after_step_headroom)
         if not self._resize_known_to_fit(reqs, sizes, caches):
