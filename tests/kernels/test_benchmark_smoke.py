@@ -76,3 +76,15 @@ def test_the_draft_step_benchmark_runs_every_phase_on_the_cpu():
         assert torch.equal(offsets, s.draft.get_block_offsets(s.ids, "cpp"))
         decoded = (offsets[0, :, 0].clamp(min=0) // s.draft.config.kv_factor).to(torch.int32)
         assert torch.equal(s.worker._ctx_block_tables[: len(s.ids), : decoded.shape[1]], decoded)
+
+
+def test_the_step_against_a_baseline_runs_a_tree_in_its_own_process():
+    """`benchmarks/step_against.py`: a tree's child process times every phase of a small staggered case."""
+    import os
+
+    from benchmarks import step_against as sa
+
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    (got,) = sa.run_tree(here, "cpu", [(3, 2047, True)])
+    assert got[:3] == [3, 2047, True] and set(got[3]) == set(sa.PHASES)
+    assert all(v > 0 for v in got[3].values())
