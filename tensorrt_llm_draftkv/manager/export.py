@@ -8,7 +8,8 @@ read each cache through its public rows (`KVCache.block_row_slice`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import numpy as np
@@ -28,6 +29,10 @@ class OffsetLayout:
     max_blocks_per_seq: int
     device: str
     guard_pages: tuple[int | None, ...]
+    torch_device: torch.device = field(init=False, repr=False, compare=False)  # `device`, parsed once
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "torch_device", torch.device(self.device))
 
     @property
     def num_pools(self) -> int:
@@ -286,8 +291,7 @@ def check_copy_args(
         raise TypeError(f"{label}: dst_tensor must be a torch.Tensor, got {type(dst_tensor).__name__}")
     if dst_tensor.dtype != torch.int32:
         raise ValueError(f"{label}: dst_tensor must be torch.int32, got {dst_tensor.dtype}")
-    shape = tuple(dst_tensor.shape)
-    want = f"[num_pools={layout.num_pools}, >= num_seqs={num_seqs}, 2, >= {width}]"
+    shape = dst_tensor.shape
     if (
         len(shape) != 4
         or shape[0] != layout.num_pools
@@ -295,8 +299,9 @@ def check_copy_args(
         or shape[2] != 2
         or shape[3] < width
     ):
+        want = f"[num_pools={layout.num_pools}, >= num_seqs={num_seqs}, 2, >= {width}]"
         raise ValueError(f"{label}: dst_tensor has shape {list(shape)}, needs {want} ({width_label})")
-    pool_device = torch.device(layout.device)
+    pool_device = layout.torch_device
     if dst_tensor.device.type != pool_device.type or (
         pool_device.index is not None and dst_tensor.device.index != pool_device.index
     ):
