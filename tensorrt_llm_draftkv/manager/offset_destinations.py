@@ -28,6 +28,7 @@ import torch
 
 from ..runtime import KVCache
 from . import export
+from . import block_table
 from .block_table import DeviceBlockTable, TableDelta, last_of_each
 
 
@@ -170,17 +171,20 @@ class OffsetDestinations:
                       width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The delta's entries of the rows `batch_row` maps (table row -> batch row, -1: none), below `width`;
         returns the `(rows, pools, ordinals, k_values)` written."""
-        g = np.concatenate([np.full(r.size, grp, dtype=np.int64) for grp, r, _, _ in delta.entries])
-        r, o, page = (np.concatenate([e[i] for e in delta.entries]) for i in (1, 2, 3))
-        b = np.where(r < batch_row.size, batch_row[np.minimum(r, batch_row.size - 1)], -1)
-        keep = (b >= 0) & (o < width)
-        if not keep.any():
+        if sum(e[1].size for e in delta.entries) <= block_table.SMALL_LOG:
+            b, g, o, page = _kept_entries_few(delta, batch_row, width)
+        else:
+            g = np.concatenate([np.full(r.size, grp, dtype=np.int64) for grp, r, _, _ in delta.entries])
+            r, o, page = (np.concatenate([e[i] for e in delta.entries]) for i in (1, 2, 3))
+            b = np.where(r < batch_row.size, batch_row[np.minimum(r, batch_row.size - 1)], -1)
+            keep = (b >= 0) & (o < width)
+            g, b, o, page = g[keep], b[keep], o[keep], page[keep]
+            # several syncs may log one entry: the last one holds its page now
+            pick = last_of_each((g << 56) | (b << 36) | o)
+            b, g, o, page = b[pick], g[pick], o[pick], page[pick]
+        if not b.size:
             return _NO_ENTRIES
-        # several syncs may log one entry: the last one holds its page now
-        g, b, o, page = g[keep], b[keep], o[keep], page[keep]
-        pick = last_of_each((g << 56) | (b << 36) | o)
-        b, g, o = b[pick], g[pick], o[pick]
-        k_values = export.k_offset_values(layout, g, page[pick])
+        k_values = export.k_offset_values(layout, g, page)
         export.write_block_offset_values(layout, dst, b, g, o, k_values)
         return b, g, o, k_values
 
@@ -199,6 +203,22 @@ class OffsetDestinations:
             index = torch.tensor(rows, dtype=torch.int64, device=dst.device)
             dst[:, :, :, :width].index_copy_(1, index, torch.from_numpy(values).to(dst.device))
         return len(rows) * width * 2 * layout.num_pools
+
+
+def _kept_entries_few(delta: TableDelta, batch_row: np.ndarray, width: int) -> tuple[np.ndarray, ...]:
+    """`_write_logged`'s selection for a few entries, in Python (as `block_table._last_entries`): the
+    `(batch rows, pools, ordinals, pages)` of the delta's entries in mapped rows below `width`, the last
+    of each, by ascending (pool, batch row, ordinal)."""
+    rows_known = batch_row.size
+    last: dict[tuple[int, int, int], int] = {}
+    for g, rows, ordinals, pages in delta.entries:
+        for r, o, page in zip(rows.tolist(), ordinals.tolist(), pages.tolist()):
+            if r < rows_known and o < width:
+                b = batch_row.item(r)
+                if b >= 0:
+                    last[(g, b, o)] = page
+    flat = np.array([(b, g, o, page) for (g, b, o), page in sorted(last.items())], dtype=np.int64).reshape(-1, 4)
+    return flat[:, 0], flat[:, 1], flat[:, 2], flat[:, 3]
 
 
 __all__ = ["OffsetDestinations"]

@@ -159,7 +159,7 @@ def test_the_ring_of_a_windowed_pool_stays_narrow_whatever_the_prompt():
     assert table.width(1) >= 3000
 
 
-@pytest.mark.parametrize("small_log", [0, 256])  # a sync's keep-last in numpy, or in Python (few entries)
+@pytest.mark.parametrize("small_log", [0, 256])  # keep-last of the sync and the writer: numpy, or Python (few)
 @pytest.mark.parametrize("seed", range(6))
 def test_copy_batch_block_offsets_into_a_kept_tensor_equals_a_fresh_export(seed, small_log, monkeypatch):
     """Random steps (growth, releases, rollbacks, frees, new requests, shuffled and shortened batches) into
@@ -167,7 +167,7 @@ def test_copy_batch_block_offsets_into_a_kept_tensor_equals_a_fresh_export(seed,
     after steps that changed few rows writes only those rows' changed entries."""
     from tensorrt_llm_draftkv.manager import block_table
 
-    monkeypatch.setattr(block_table, "SMALL_LOG", small_log)
+    monkeypatch.setattr(block_table, "SMALL_LOG", small_log)  # the sync and the offsets writer both read it
     rng = np.random.default_rng(seed)
     mgr = _manager(window=12, sinks=1, pages=(60, 120))
     dst = torch.from_numpy(rng.integers(-5, 1000, size=(2, 6, 2, 40), dtype=np.int32))
@@ -179,12 +179,15 @@ def test_copy_batch_block_offsets_into_a_kept_tensor_equals_a_fresh_export(seed,
             if cache.resize(int(rng.integers(1, 60)), 0):
                 mgr.caches[next_id] = cache
             next_id += 1
-        for rid in mgr.request_ids():
-            cache = mgr.get_cache(rid)
-            if rng.random() < 0.5:
-                grow = int(rng.integers(0, 4))
-                history = min(cache.history_length + int(rng.integers(0, 4)), cache.capacity + grow)
-                cache.resize(min(max(cache.capacity, history) + grow, 40 * P), min(history, 40 * P))
+        for _ in range(2 if rng.random() < 0.4 else 1):  # twice: a sync in between (one ordinal changes twice)
+            for rid in mgr.request_ids():
+                cache = mgr.get_cache(rid)
+                if rng.random() < 0.5:
+                    grow = int(rng.integers(0, 4))
+                    history = min(cache.history_length + int(rng.integers(0, 4)), cache.capacity + grow)
+                    cache.resize(min(max(cache.capacity, history) + grow, 40 * P), min(history, 40 * P))
+            if mgr.request_ids():
+                mgr.sync_block_table(mgr.request_ids())  # the table moves on without this destination
         if rng.random() < 0.1 and mgr.request_ids():
             mgr.free_resources(_Req(int(rng.choice(mgr.request_ids()))))
         ids = mgr.request_ids()
@@ -332,3 +335,24 @@ def test_get_caches_answers_a_batch_in_order_and_names_the_missing():
     assert mgr.get_caches([3, 1]) == [mgr.get_cache(3), mgr.get_cache(1)]
     with pytest.raises(KeyError, match=r"requests \[7, 9\] have no cache here"):
         mgr.get_caches([1, 7, 9])
+
+
+@pytest.mark.parametrize("small_log", [0, 256])
+def test_an_entry_changed_by_two_syncs_before_a_write_lands_as_its_last_change(small_log, monkeypatch):
+    """A page gained in one sync and given back in the next, both before the kept destination is written
+    again: the write puts the entry's last state (unbacked), not the page it held in between."""
+    from tensorrt_llm_draftkv.manager import block_table
+
+    monkeypatch.setattr(block_table, "SMALL_LOG", small_log)
+    mgr = _with_requests((1, 2))
+    dst = torch.full((2, 2, 2, 20), -9, dtype=torch.int32)
+    mgr.copy_batch_block_offsets(dst, [1, 2], 1, 0, 2, max_blocks=20)
+    cache = mgr.get_cache(1)
+    capacity, history = cache.capacity, cache.history_length
+    assert cache.resize(capacity + 2 * P, history)  # two more pages ...
+    mgr.sync_block_table([1, 2])
+    assert cache.resize(capacity, history)  # ... given back (rejected drafts)
+    mgr.sync_block_table([1, 2])
+    mgr.copy_batch_block_offsets(dst, [1, 2], 1, 0, 2, max_blocks=20)
+    assert mgr.offset_destinations.last_full_rows == 0
+    assert torch.equal(dst, mgr.get_block_offsets([1, 2], "cpp", width=20))
