@@ -75,13 +75,14 @@ SMALL_LOG = 256
 
 def _last_entries(rows: list[int], ordinals: list[int], pages: list[int]) -> tuple[np.ndarray, ...]:
     """The entries as int64 arrays, only the last one of each (row, ordinal), by ascending (row, ordinal)."""
-    if len(rows) <= SMALL_LOG:
-        last = sorted(dict(zip(zip(rows, ordinals), pages)).items())  # a dict keeps the last value of a key
-        flat = np.array([(r, o, page) for (r, o), page in last], dtype=np.int64).reshape(-1, 3)
-        return flat[:, 0], flat[:, 1], flat[:, 2]
     r, o, page = (np.array(a, dtype=np.int64) for a in (rows, ordinals, pages))
     keep = last_of_each((r << 40) | o)  # ordinals < 2**40
     return r[keep], o[keep], page[keep]
+
+
+def _last_entries_few(rows: list[int], ordinals: list[int], pages: list[int]) -> list[tuple[tuple[int, int], int]]:
+    """`_last_entries` in Python for a few entries: `((row, ordinal), page)`, by ascending (row, ordinal)."""
+    return sorted(dict(zip(zip(rows, ordinals), pages)).items())  # a dict keeps the last value of a key
 
 
 @dataclass
@@ -225,8 +226,14 @@ class DeviceBlockTable:
             self._dirty.clear()
         entries = []
         for g, (rows, ordinals, pages) in logged.items():
-            r, o, page = _last_entries(rows, ordinals, pages)
-            written += self._write_entries(g, r, o, page)
+            if len(rows) <= SMALL_LOG:
+                kept = _last_entries_few(rows, ordinals, pages)
+                written += self._write_entries_few(g, kept)
+                flat = np.array([(r, o, page) for (r, o), page in kept], dtype=np.int64).reshape(-1, 3)
+                r, o, page = flat[:, 0], flat[:, 1], flat[:, 2]
+            else:
+                r, o, page = _last_entries(rows, ordinals, pages)
+                written += self._write_entries(g, r, o, page)
             entries.append((g, r, o, page))
         self._push()
         if whole or entries:
@@ -294,6 +301,26 @@ class DeviceBlockTable:
         pool.host.reshape(-1)[flat] = np.where(mine & (o < extent), page, BAD_PAGE_INDEX)[write]
         pool.pending.append(flat)
         return int(flat.size)
+
+    def _write_entries_few(self, g: int, kept: list[tuple[tuple[int, int], int]]) -> int:
+        """`_write_entries` in Python for a few `((table row, ordinal), page)` entries."""
+        pool = self._pools[g]
+        host, first_of, extent_of = pool.host, pool.first, pool.extent
+        C = host.shape[1]
+        flat = []
+        for (r, o), page in kept:
+            first, extent = first_of.item(r), extent_of.item(r)
+            col = o % C
+            owner = first + (col - first) % C
+            if o == owner:
+                host[r, col] = page if o < extent else BAD_PAGE_INDEX
+            elif owner >= extent:
+                host[r, col] = BAD_PAGE_INDEX
+            else:
+                continue  # another, live, ordinal owns the column
+            flat.append(r * C + col)
+        pool.pending.append(np.array(flat, dtype=np.int64))
+        return len(flat)
 
     def _write_row(self, pool: _Pool, g: int, r: int, cache: KVCache, first: int) -> int:
         """The row's whole live span (a new row, or after a re-layout)."""
