@@ -19,7 +19,7 @@ a launch hook (profilers) or on another current device, a call runs the checked
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 

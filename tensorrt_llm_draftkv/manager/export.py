@@ -8,7 +8,6 @@ read each cache through its public rows (`KVCache.block_row_slice`).
 """
 from __future__ import annotations
 
-
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -313,6 +312,5 @@ def check_copy_args(
 
 __all__ = [
     "OffsetLayout", "block_offset_array", "block_tables", "check_copy_args", "get_block_offsets", "k_offset_values",
-    "live_width",
-    "write_block_offset_values", "write_block_offsets",
+    "live_width", "write_block_offset_values", "write_block_offsets",
 ]

@@ -27,8 +27,7 @@ import numpy as np
 import torch
 
 from ..runtime import KVCache
-from . import export
-from . import block_table
+from . import block_table, export
 from .block_table import DeviceBlockTable, TableDelta, last_of_each
 
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from .slot_start import SlotStart
 
 
