@@ -201,10 +201,11 @@ class DeviceBlockTable:
         and its whole live span. Then every attached cache that logged a change since the
         last sync (these requests' or any other's: each adds itself to the table's dirty
         set) has the ring columns of its logged ordinals rewritten from its log, in one
-        numpy pass over all of them. Python per changed row: draining its log and finding
-        its new first/extent; per request of the batch: one C-level comparison with the
-        last batch checked (a loop only when the batch's membership changed). Each pool's
-        changes then go to the device in one copy and one scatter.
+        numpy pass over all of them (a Python pass when they are few, `SMALL_LOG`). Python
+        per changed row: draining its log and finding its new first/extent; per request of
+        the batch: one C-level comparison with the last batch checked (a loop only when the
+        batch's membership changed). Each pool's changes then go to the device in one copy
+        and one scatter.
         """
         ids, batch = list(request_ids), list(caches)
         written = 0
