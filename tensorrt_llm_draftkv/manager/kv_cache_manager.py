@@ -366,12 +366,10 @@ class KVCacheManagerV2(SchedulerContract, UpstreamAccessors, OffsetCalls):
         batch = scheduled_batch
         gen = batch.generation_requests
         if not batch.context_requests and not self._suspended:
-            # The usual step, generation only: one lookup gives the caches (None when one is missing,
-            # or a request is named twice, which the path below names), then one checked pass.
-            ids = [r.py_request_id for r in gen]
-            caches = self.caches.lookup(ids)
-            if caches is not None and len(set(ids)) == len(ids) and self._resize_known_to_fit(
-                    gen, self.sizing_rules.generation_sizes(gen), caches):
+            # The usual step, generation only: one lookup gives the caches (None when one is missing),
+            # then one checked pass (which refuses a request named twice); the path below names either.
+            caches = self.caches.lookup([r.py_request_id for r in gen])
+            if caches is not None and self._resize_known_to_fit(gen, self.sizing_rules.generation_sizes(gen), caches):
                 self.last_prepared_batch = batch
                 return
         missing = self.caches.missing(r.py_request_id for r in gen)

@@ -14,7 +14,7 @@ from .layer_group import LayerGroup
 from .page_pool import BAD_PAGE_INDEX
 from .prefix_cache import PageKey
 from .prefix_keys import PrefixKeys, adoption_settled
-from .resize_plan import GroupPlan, ceil_div, plan_group_resize
+from .resize_plan import GroupPlan, ceil_div, cursor_range, plan_group_resize
 
 
 class _Undo(NamedTuple):
@@ -164,8 +164,8 @@ class KVCache:
         pool lacks the pages, returns False and nothing changes.
         """
         new_capacity, new_history = self._validated(capacity, history_length)
-        if self._rows_stay(new_capacity, new_history):
-            self._move_cursors(new_capacity, new_history)
+        if self._moves_only_cursors(new_capacity, new_history):
+            self.move_cursors(new_capacity, new_history)
             return True
         plans = self._plans(new_capacity, new_history)
         if not self._fits(plans):
@@ -188,7 +188,7 @@ class KVCache:
         if new_capacity < new_history or new_history < self.history_length or new_capacity < 0:
             return None  # the messages are resize's (`_validated`)
         # tuple.__new__: a NamedTuple's own constructor is a third of a cursor-only step
-        if self._rows_stay(new_capacity, new_history):
+        if self._moves_only_cursors(new_capacity, new_history):
             return tuple.__new__(ResizePlan, (new_capacity, new_history, None))
         rows, settled, P = self._rows, self._settled, self.tokens_per_block
         plans = [plan_group_resize(rows[g], settled[g], group.life_cycle, P, new_capacity, new_history)
@@ -199,36 +199,25 @@ class KVCache:
         """Carry out a `plan_resize` answer of this cache's current state whose pages the caller made
         sure the pools have: exactly what `resize` would have done (journaled alike)."""
         if plan.plans is None:
-            self._move_cursors(plan.capacity, plan.history)
+            self.move_cursors(plan.capacity, plan.history)
         else:
             self._carry_out(plan.capacity, plan.history, plan.plans)
 
     def cursor_range(self) -> CursorRange:
-        """Which sizes only move the cursors from the current rows (kept until the version changes).
-
-        Exactly the sizes `_rows_stay` accepts: every row spans `n` blocks, so capacity lies in
-        `((n - 1) * P, n * P]`; a window W with settled mark s and sinks k releases a new block
-        once `(history + 1 - W) // P > max(s, k)`, so history stays at most `(max(s, k) + 1) * P + W - 2`.
-        A closed cache, or rows of different lengths, admits no size.
-        """
+        """Which sizes only move the cursors from the current rows (`resize_plan.cursor_range`),
+        kept until the version changes. A closed cache admits no size."""
         cached = self._cursor_range
-        if cached is not None and cached.version == self.version:
-            return cached
-        P = self.tokens_per_block
-        lengths = {len(row) for row in self._rows}
-        if self.closed or len(lengths) != 1:
-            cached = CursorRange(0, -1, -1, self.version)
-        else:
-            n = lengths.pop()
-            history_max = 1 << 62
-            for group, settled in zip(self.groups, self._settled):
-                window = group.life_cycle.window
-                if window is not None:
-                    mark = max(settled, group.life_cycle.sink_blocks)
-                    history_max = min(history_max, (mark + 1) * P + window - 2)
-            cached = CursorRange((n - 1) * P, n * P, history_max, self.version)
-        self._cursor_range = cached
+        if cached is None or cached.version != self.version:
+            above, top, history_max = (0, -1, -1) if self.closed else cursor_range(
+                [len(row) for row in self._rows], self._settled, [g.life_cycle for g in self.groups],
+                self.tokens_per_block)
+            cached = self._cursor_range = CursorRange(above, top, history_max, self.version)
         return cached
+
+    def _moves_only_cursors(self, capacity: int, history: int) -> bool:
+        """No row changes for these valid sizes (most generation steps move inside one page)."""
+        span = self.cursor_range()
+        return span.capacity_above < capacity <= span.capacity_max and history <= span.history_max
 
     def _plans(self, capacity: int, history: int) -> list[GroupPlan]:
         return [self._plan_group(g, capacity, history) for g in range(len(self.groups))]
@@ -254,30 +243,10 @@ class KVCache:
         self.capacity = capacity
         self.history_length = history
 
-    def _rows_stay(self, capacity: int, history: int) -> bool:
-        """True when no row changes: same block count everywhere and no window releases
-        a block above its settled mark. Most generation steps move inside one page."""
-        P = self.tokens_per_block
-        num_blocks = -(-capacity // P)
-        for row, group, settled in zip(self._rows, self.groups, self._settled):
-            if len(row) != num_blocks:
-                return False
-            life_cycle = group.life_cycle
-            window = life_cycle.window
-            if window is not None:
-                # `LifeCycle.stale_range` inlined (it runs for every request of every step):
-                # lo = min(ceil(history / P), sinks), hi = max(lo, (history + 1 - W) // P).
-                hi = (history + 1 - window) // P
-                if hi > settled:
-                    lo = -(-history // P)
-                    if hi > lo or hi > life_cycle.sink_blocks:
-                        return False
-        return True
-
     def move_cursors(self, capacity: int, history: int) -> None:
         """Take sizes inside `cursor_range()` (the caller checked them, and that history does not
         decrease and stays within capacity): only the cursors move, as `resize` would."""
-        if self._journal is None and not self._full_groups:
+        if self._journal is None and not self._full_groups:  # nothing to record or settle
             self.capacity = capacity
             self.history_length = history
         else:

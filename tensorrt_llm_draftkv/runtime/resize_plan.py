@@ -87,4 +87,27 @@ def plan_group_resize(
     return tuple.__new__(GroupPlan, (release, clear, allocate, num_blocks, new_settled))
 
 
-__all__ = ["GroupPlan", "ceil_div", "plan_group_resize"]
+def cursor_range(
+    row_lengths: Sequence[int], settled: Sequence[int], life_cycles: Sequence[LifeCycle], tokens_per_block: int
+) -> tuple[int, int, int]:
+    """`(capacity_above, capacity_max, history_max)`: the valid sizes in tokens that change no row of
+    these rows (lengths in blocks, settled marks), only the cursors.
+
+    Every row spans `n` blocks, so capacity lies in `((n - 1) * P, n * P]`. A window W with settled
+    mark s and k sink blocks stales a new block once `(history + 1 - W) // P > max(s, k)` (its stale
+    range never reaches past `ceil(history / P)`), so history stays at most `(max(s, k) + 1) * P + W - 2`.
+    Rows of different lengths admit no size: `(0, -1, -1)`.
+    """
+    P = tokens_per_block
+    lengths = set(row_lengths)
+    if len(lengths) != 1:
+        return 0, -1, -1
+    n = lengths.pop()
+    history_max = 1 << 62
+    for mark, life_cycle in zip(settled, life_cycles):
+        if life_cycle.window is not None:
+            history_max = min(history_max, (max(mark, life_cycle.sink_blocks) + 1) * P + life_cycle.window - 2)
+    return (n - 1) * P, n * P, history_max
+
+
+__all__ = ["GroupPlan", "ceil_div", "cursor_range", "plan_group_resize"]

@@ -201,3 +201,22 @@ def test_a_draft_mirror_does_not_give_back_a_page_the_next_prepare_takes_again(k
         mgr.check_accounting()
     # the draft mirror never drops a top page the next prepare grows back into; the target does
     assert (churn == 0) == (kind == "draft")
+
+
+@pytest.mark.parametrize("kind", ["draft", "target"])
+def test_a_generation_batch_naming_a_request_twice_is_refused_and_changes_nothing(kind):
+    """The generation-only fast path looks the batch up once; a request named twice must still get the
+    error naming it, with every cache and pool as before."""
+    mgr = _manager(kind, "window", 64)
+    reqs = []
+    for rid in (1, 2):
+        req = LlmRequest(rid, prompt_len=9, state=LlmRequestState.DISAGG_GENERATION_INIT)
+        req.tokens.append(1)
+        assert mgr.prepare_disagg_gen_init(req)
+        req.state = LlmRequestState.GENERATION_IN_PROGRESS
+        req.tokens += [1] * 7  # the next step crosses a page: a resize would change rows
+        reqs.append(req)
+    before = _state(mgr)
+    with pytest.raises(ValueError, match=r"requests \[2\] appear more than once"):
+        mgr.prepare_resources(ScheduledRequests(generation_requests=[reqs[1], reqs[0], reqs[1]]))
+    assert _state(mgr) == before

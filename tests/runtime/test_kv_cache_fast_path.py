@@ -66,7 +66,7 @@ def test_fast_and_full_paths_agree_on_random_steps():
     for window, sinks in [(8, 0), (9, 1), (None, 0), (16, 2)]:
         fast, _ = _cache(window, sinks)
         full, _ = _cache(window, sinks)
-        full._rows_stay = lambda capacity, history: False  # type: ignore[method-assign]
+        full._moves_only_cursors = lambda capacity, history: False  # type: ignore[method-assign]
         history = 0
         for _ in range(200):
             history += rng.randint(0, 3)
@@ -74,6 +74,19 @@ def test_fast_and_full_paths_agree_on_random_steps():
             assert fast.resize(capacity, history) == full.resize(capacity, history)
             assert fast.checkpoint() == full.checkpoint()
             assert [g.pool.num_free for g in fast.groups] == [g.pool.num_free for g in full.groups]
+
+
+def _rows_stay(cache: KVCache, capacity: int, history: int) -> bool:
+    """The oracle, from the life cycles' stale ranges: no row changes when every row keeps its block count
+    and no window's stale range reaches above the row's settled mark."""
+    num_blocks = -(-capacity // P)
+    for g, group in enumerate(cache.groups):
+        if cache.row_length(g) != num_blocks:
+            return False
+        lo, hi = group.life_cycle.stale_range(history, P)
+        if hi > max(lo, cache.settled_blocks(g)):
+            return False
+    return True
 
 
 @settings(deadline=None, max_examples=60)
@@ -85,7 +98,7 @@ def test_fast_and_full_paths_agree_on_random_steps():
 )
 def test_cursor_range_is_exactly_the_sizes_that_move_only_cursors(window, sinks, walk, probes):
     """After any walk of resizes (growth, window releases, rollbacks), a size lies inside `cursor_range()`
-    exactly when `_rows_stay` accepts it; a cached range follows every row change (version)."""
+    exactly when no row would change (`_rows_stay`); a cached range follows every row change (version)."""
     cache, _ = _cache(window, sinks)
     history = 0
     for grow, advance in walk:
@@ -98,7 +111,7 @@ def test_cursor_range_is_exactly_the_sizes_that_move_only_cursors(window, sinks,
             h = cache.history_length + more
             c = h + extra
             inside = span.capacity_above < c <= span.capacity_max and h <= span.history_max
-            assert inside == cache._rows_stay(c, h), (c, h, span)
+            assert inside == _rows_stay(cache, c, h), (c, h, span)
     cache.free()
     span = cache.cursor_range()
     assert span.capacity_max <= span.capacity_above  # a freed cache admits no size
