@@ -165,14 +165,18 @@ def test_a_requests_descriptors_cost_the_same_python_at_any_page_count(scattered
     aux_src, aux_dst = _region(0x77000, pages=4), _region(0x88000, pages=4)
     rng = np.random.default_rng(3)
 
-    def build(n: int):
-        pages = rng.choice(5000, n, replace=False) if scattered else np.arange(100, 100 + n)
-        their = rng.choice(5000, n, replace=False) if scattered else np.arange(900, 900 + n)
-        s, d = page_write_descs(src, pages, dst, their)
+    def pages(n: int) -> tuple[np.ndarray, np.ndarray]:  # drawn outside the counted calls
+        if scattered:
+            return rng.choice(5000, n, replace=False), rng.choice(5000, n, replace=False)
+        return np.arange(100, 100 + n), np.arange(900, 900 + n)
+
+    def build(ours: np.ndarray, theirs: np.ndarray):
+        s, d = page_write_descs(src, ours, dst, theirs)
         return np.concatenate([s, slot_descs(aux_src, 1, 64)]), np.concatenate([d, slot_descs(aux_dst, 2, 64)])
 
-    build(3)  # the regions' per-layer arrays are worked out once (cached)
-    small, large = _python_calls(lambda: build(8)), _python_calls(lambda: build(2048))
+    build(*pages(3))  # the regions' per-layer arrays are worked out once (cached)
+    few, many = pages(8), pages(2048)
+    small, large = _python_calls(lambda: build(*few)), _python_calls(lambda: build(*many))
     assert small == large
-    s, _ = build(2048)
+    s, _ = build(*many)
     assert len(s) == (2 * 2048 + 1 if scattered else 2 + 1)  # and the pages really were there
