@@ -70,7 +70,7 @@ def last_of_each(key: np.ndarray) -> np.ndarray:
 
 #: below this many entries a sync keeps the last of each in Python: a handful of numpy calls costs more
 #: than the entries, above all inside a step whose other work has evicted numpy from the caches
-SMALL_LOG = 256
+SMALL_LOG = 32
 
 
 def _last_entries(rows: list[int], ordinals: list[int], pages: list[int]) -> tuple[np.ndarray, ...]:
@@ -217,25 +217,23 @@ class DeviceBlockTable:
                     written += sum(max(0, int(p.extent[r] - p.first[r])) for p in self._pools)
                     whole.add(rid)  # the whole row is new
             self._checked = (ids, batch)
-        logged: dict[int, tuple[list[int], list[int], list[int]]] = {}
-        if self._dirty:
-            row_of, rid_of = self._row_of, self._rid_of
-            for cache in sorted(self._dirty, key=lambda c: row_of[rid_of[c]]):  # table-row order
-                changes = cache.changes.drain()
-                if changes:
-                    self._take_log(row_of[rid_of[cache]], cache, changes, logged)
-            self._dirty.clear()
         entries = []
-        for g, (rows, ordinals, pages) in logged.items():
-            if len(rows) <= SMALL_LOG:
-                kept = _last_entries_few(rows, ordinals, pages)
-                written += self._write_entries_few(g, kept)
-                flat = np.array([(r, o, page) for (r, o), page in kept], dtype=np.int64).reshape(-1, 3)
-                r, o, page = flat[:, 0], flat[:, 1], flat[:, 2]
-            else:
-                r, o, page = _last_entries(rows, ordinals, pages)
-                written += self._write_entries(g, r, o, page)
-            entries.append((g, r, o, page))
+        if self._dirty:
+            logged, touched = self._drain_logs()
+            for r, cache, changes in touched:
+                self._take_log(r, cache, changes)
+            for g, (rows, ordinals, pages) in enumerate(logged):
+                if not rows:
+                    continue
+                if len(rows) <= SMALL_LOG:
+                    kept = _last_entries_few(rows, ordinals, pages)
+                    written += self._write_entries_few(g, kept)
+                    flat = np.array([(r, o, page) for (r, o), page in kept], dtype=np.int64).reshape(-1, 3)
+                    r, o, page = flat[:, 0], flat[:, 1], flat[:, 2]
+                else:
+                    r, o, page = _last_entries(rows, ordinals, pages)
+                    written += self._write_entries(g, r, o, page)
+                entries.append((g, r, o, page))
         self._push()
         if whole or entries:
             self.epoch += 1
@@ -252,39 +250,59 @@ class DeviceBlockTable:
             return None
         return TableDelta(set().union(*(d.whole for d in kept)), [e for d in kept for e in d.entries])
 
-    def _take_log(self, r: int, cache: KVCache, changes: list, logged: dict) -> None:
-        """Row r's drained log: its entries appended to `logged[group]` (table row, ordinal, page), its
-        first/extent brought up to date now (a row outgrowing its ring re-lays the ring out)."""
+    def _drain_logs(self) -> tuple[list[tuple[list[int], list[int], list[int]]], list[tuple[int, KVCache, list]]]:
+        """Every dirty cache's log, drained: per pool the (table row, ordinal, page) entries in log order
+        (page BAD_PAGE_INDEX: unbacked), and the `(table row, cache, chunks)` of each cache that logged.
+        Python per chunk: a few list extends."""
+        logged: list[tuple[list[int], list[int], list[int]]] = [([], [], []) for _ in self._pools]
+        touched = []
+        row_of, rid_of = self._row_of, self._rid_of
+        for cache in self._dirty:
+            changes = cache.changes.drain()
+            if not changes:
+                continue
+            r = row_of[rid_of[cache]]
+            touched.append((r, cache, changes))
+            for g, ordinals, pages in changes:
+                k = len(ordinals)
+                rows, ords, values = logged[g]
+                rows += [r] * k
+                ords += ordinals
+                values += [BAD_PAGE_INDEX] * k if pages is None else pages
+        self._dirty.clear()
+        return logged, touched
+
+    def _take_log(self, r: int, cache: KVCache, changes: list) -> None:
+        """Row r's first/extent brought up to date from its drained log and its cache (a row outgrowing
+        its ring re-lays the ring out)."""
+        if len(changes) == 1:  # a page crossing: one chunk
+            g, ordinals, pages = changes[0]
+            self._settle_span(r, cache, g, () if pages is None else ordinals)
+            return
         groups: dict[int, list[int]] = {}  # group -> the ordinals logged with a page (candidates for first)
         for g, ordinals, pages in changes:
-            k = len(ordinals)
-            if not k:
-                continue
             backed = groups.setdefault(g, [])
-            rows, ords, values = logged.setdefault(g, ([], [], []))
-            rows += [r] * k
-            ords += ordinals
-            if pages is None:
-                values += [BAD_PAGE_INDEX] * k
-            else:
-                values += pages
+            if pages is not None:
                 backed += ordinals
         for g, backed in groups.items():
-            pool = self._pools[g]
-            old_first, old_extent = pool.first.item(r), pool.extent.item(r)
-            # The lowest backed ordinal is the old one's next backed ordinal (only logged ordinals
-            # were released) or a logged ordinal that is backed now, whichever is lower.
-            first = cache.first_backed(g, old_first)
-            for o in backed:
-                if o < first and cache.block_entry(g, o) != BAD_PAGE_INDEX:
-                    first = o
-            extent = cache.backed_extent(g)
-            if extent - first > pool.host.shape[1]:
-                pool.first[r] = first  # the re-layout starts this row from here
-                self._relayout(g, extent - first)  # rewrites every row (what is logged stays valid)
-            elif first != old_first or extent != old_extent:
-                pool.first[r], pool.extent[r] = first, extent
-                pool.scalars_dirty = True
+            self._settle_span(r, cache, g, backed)
+
+    def _settle_span(self, r: int, cache: KVCache, g: int, backed: Sequence[int]) -> None:
+        """Row r's first/extent in pool g, its log holding `backed` (ordinals logged with a page)."""
+        pool = self._pools[g]
+        old_first, old_extent = pool.first.item(r), pool.extent.item(r)
+        # The lowest backed ordinal is the old one's next backed ordinal (only logged ordinals
+        # were released) or a logged ordinal that is backed now, whichever is lower.
+        first, extent = cache.backed_span(g, old_first)
+        for o in backed:
+            if o < first and cache.block_entry(g, o) != BAD_PAGE_INDEX:
+                first = o
+        if extent - first > pool.host.shape[1]:
+            pool.first[r] = first  # the re-layout starts this row from here
+            self._relayout(g, extent - first)  # rewrites every row (what is logged stays valid)
+        elif first != old_first or extent != old_extent:
+            pool.first[r], pool.extent[r] = first, extent
+            pool.scalars_dirty = True
 
     def _write_entries(self, g: int, r: np.ndarray, o: np.ndarray, page: np.ndarray) -> int:
         """Pool g's ring columns of these (table row, ordinal, page now) entries, first/extent already

@@ -147,6 +147,14 @@ class KVCache:
             o += 1
         return o
 
+    def backed_span(self, group: int, start: int) -> tuple[int, int]:
+        """`(first_backed(group, start), backed_extent(group))` in one call: block ordinals, O(1) when
+        ordinal `start` and the row's last ordinal are backed (a mirror following a sliding window)."""
+        row = self._rows[group]
+        n = len(row)
+        first = start if start < n and row[start] != BAD_PAGE_INDEX else self.first_backed(group, start)
+        return first, (n if n and row[-1] != BAD_PAGE_INDEX else self.backed_extent(group))
+
     def held_pages(self, group: int) -> list[int]:
         return [p for p in self._rows[group] if p != BAD_PAGE_INDEX]
 

@@ -45,9 +45,11 @@ def check_rows(table: DeviceBlockTable, mgr: KVCacheManagerV2, ids: list[int]) -
 
 
 class RingFollowsRows(RuleBasedStateMachine):
+    sinks = 1  # sink blocks of the windowed group (with one, its first backed ordinal never moves)
+
     def __init__(self) -> None:
         super().__init__()
-        self.mgr = _manager()
+        self.mgr = _manager(sinks=self.sinks)
         self.table = DeviceBlockTable(self.mgr.num_pools, "cpu", rows=1, width=1)
         self.next_id = 0
 
@@ -84,6 +86,31 @@ class RingFollowsRows(RuleBasedStateMachine):
                     cache.resize(cache.capacity + grow, cache.history_length + grow // 2)
                 raise RuntimeError("the step failed")
 
+    @rule(picks=st.lists(st.integers(0, 1000), min_size=1, max_size=3), grow=st.integers(0, 30),
+          advance=st.integers(1, 30))
+    def batch_rolled_back_after_a_sync(self, picks: list[int], grow: int, advance: int) -> None:
+        """The table syncs inside the batch, then the batch rolls back: the next sync sees pages below the
+        row's first backed again, and its top released where the batch grew it."""
+        if not self.live():
+            return
+        ids = sorted({self.live()[p % len(self.live())] for p in picks})
+        with pytest.raises(RuntimeError):
+            with self.mgr.caches.transaction(ids):
+                for rid in ids:
+                    cache = self.mgr.get_cache(rid)
+                    history = cache.history_length + advance
+                    cache.resize(max(cache.capacity, history) + grow, history)
+                self.table.sync(self.live(), [self.mgr.get_cache(r) for r in self.live()])
+                raise RuntimeError("the step failed")
+
+    @rule(pick=st.integers(0, 1000), drop=st.integers(1, 12))
+    def drafts_rejected(self, pick: int, drop: int) -> None:
+        """Capacity given back (rejected draft tokens): the row's top pages are released."""
+        if not self.live():
+            return
+        cache = self.mgr.get_cache(self.live()[pick % len(self.live())])
+        cache.resize(max(cache.history_length, cache.capacity - drop, 1), cache.history_length)
+
     @rule(pick=st.integers(0, 1000))
     def free(self, pick: int) -> None:
         if not self.live():
@@ -119,6 +146,37 @@ class _Req:
 
 TestRingFollowsRows = RingFollowsRows.TestCase
 TestRingFollowsRows.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+class RingFollowsSlidingRows(RingFollowsRows):
+    """The same without a sink: the window's slide moves each row's first backed ordinal."""
+
+    sinks = 0
+
+
+class RingFollowsSlidingRowsInNumpy(RingFollowsSlidingRows):
+    """The same, every sync taking the numpy pass (`SMALL_LOG` 0): spans settled over all changed rows at once."""
+
+    def __init__(self) -> None:
+        from tensorrt_llm_draftkv.manager import block_table
+
+        super().__init__()
+        self._small_log = block_table.SMALL_LOG
+        block_table.SMALL_LOG = 0
+
+    def teardown(self) -> None:
+        from tensorrt_llm_draftkv.manager import block_table
+
+        block_table.SMALL_LOG = self._small_log
+
+
+class RingFollowsRowsInNumpy(RingFollowsSlidingRowsInNumpy):
+    sinks = 1
+
+
+for _machine in (RingFollowsSlidingRows, RingFollowsSlidingRowsInNumpy, RingFollowsRowsInNumpy):
+    globals()["Test" + _machine.__name__] = _machine.TestCase
+    _machine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 
 
 def test_a_generation_step_writes_only_what_its_resize_changed():

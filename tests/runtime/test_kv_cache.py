@@ -48,6 +48,10 @@ def check_rows(cache: KVCache, specs, p=P):
             cache.history_length,
         )
         assert all(x == BAD_PAGE_INDEX or x >= 0 for x in row)
+        backed = [o for o, x in enumerate(row) if x != BAD_PAGE_INDEX]
+        for start in range(len(row) + 2):  # the table's one-call span, against the row itself
+            first = next((o for o in backed if o >= start), max(start, len(row)))
+            assert cache.backed_span(g, start) == (first, backed[-1] + 1 if backed else 0), (g, start, row)
         pool = cache.groups[g].pool
         held = cache.held_pages(g)
         assert len(set(held)) == len(held)
