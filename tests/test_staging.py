@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorrt_llm_draftkv.staging import scatter_int32, staged, to_device
+from tensorrt_llm_draftkv.staging import PinnedStager, scatter_int32, staged, to_device
 
 
 def _check_scatter(device: str, size: int, picks: list[int], seed: int) -> None:
@@ -38,3 +38,42 @@ def test_staged_values_keep_their_dtype_and_land_on_the_device():
 @pytest.mark.parametrize("count", [1, 2, 7, 64])  # odd counts: the last int64 slot holds one int32
 def test_scatter_on_the_device_matches_the_host_cuda(count):
     _check_scatter("cuda", 4096, list(range(3, 4096, 4096 // count))[:count], count)
+
+
+def test_a_stager_off_cuda_hands_out_plain_memory_and_refuses_a_tiny_arena():
+    stager = PinnedStager("cpu", capacity=16)
+    host, tensor = stager.claim(5)
+    host[:] = np.arange(5)
+    assert torch.equal(tensor, torch.arange(5)) and stager.claims == 0  # memory of its own, not the arena
+    assert torch.equal(to_device([4, 5], "cpu", stager), torch.tensor([4, 5]))
+    with pytest.raises(ValueError, match="capacity 3"):
+        PinnedStager("cpu", capacity=3)
+
+
+@pytest.mark.cuda
+def test_a_stager_never_rewrites_a_slot_a_queued_copy_has_yet_to_read_cuda():
+    """The device is held busy while three whole turns of the arena are claimed and copied: every copy
+    still lands its own values (a part is written again only after the copies out of it ran)."""
+    stager = PinnedStager("cuda", capacity=64)  # parts of 16 slots
+    out = torch.full((40, 12), -1, dtype=torch.int64, device="cuda")
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of device time queued before every copy
+    for i in range(40):  # 40 claims of 12 slots: one per part, ten turns
+        out[i].copy_(staged(list(range(i * 100, i * 100 + 12)), "cuda", stager), non_blocking=True)
+    torch.cuda.synchronize()
+    want = torch.arange(12, device="cuda") + 100 * torch.arange(40, device="cuda")[:, None]
+    assert torch.equal(out, want)
+    assert stager.claims == 40 and stager.turns == 39
+
+
+@pytest.mark.cuda
+def test_a_stager_stays_out_of_a_captured_graph_and_of_large_claims_cuda():
+    stager = PinnedStager("cuda", capacity=64)
+    host, _ = stager.claim(17)  # over one part: memory of its own
+    assert stager.claims == 0 and host.size == 17
+    dst = torch.zeros(4, dtype=torch.int64, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stager.claim(4)
+    assert stager.claims == 0
+    dst.copy_(to_device(np.arange(4, dtype=np.int64), "cuda", stager))
+    assert stager.claims == 1 and torch.equal(dst.cpu(), torch.arange(4))

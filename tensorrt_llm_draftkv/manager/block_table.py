@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..runtime import BAD_PAGE_INDEX, KVCache
-from ..staging import to_device
+from ..staging import PinnedStager, to_device
 
 
 @dataclass
@@ -107,6 +107,7 @@ class DeviceBlockTable:
         if num_pools < 1 or rows < 1 or width < 1:
             raise ValueError(f"DeviceBlockTable: num_pools ({num_pools}), rows ({rows}) and width ({width}) must be >= 1")
         self.device = torch.device(device)
+        self._stager = PinnedStager(self.device)  # the pushes' copies
         self._pools = [self._new_pool(rows, width) for _ in range(num_pools)]
         self._row_of: dict[int, int] = {}
         self._cache_of: dict[int, KVCache] = {}
@@ -219,9 +220,7 @@ class DeviceBlockTable:
             self._checked = (ids, batch)
         entries = []
         if self._dirty:
-            logged, touched = self._drain_logs()
-            for r, cache, changes in touched:
-                self._take_log(r, cache, changes)
+            logged = self._take_logs()
             for g, (rows, ordinals, pages) in enumerate(logged):
                 if not rows:
                     continue
@@ -250,27 +249,25 @@ class DeviceBlockTable:
             return None
         return TableDelta(set().union(*(d.whole for d in kept)), [e for d in kept for e in d.entries])
 
-    def _drain_logs(self) -> tuple[list[tuple[list[int], list[int], list[int]]], list[tuple[int, KVCache, list]]]:
-        """Every dirty cache's log, drained: per pool the (table row, ordinal, page) entries in log order
-        (page BAD_PAGE_INDEX: unbacked), and the `(table row, cache, chunks)` of each cache that logged.
-        Python per chunk: a few list extends."""
+    def _take_logs(self) -> list[tuple[list[int], list[int], list[int]]]:
+        """Every dirty cache's log, drained, its row's first/extent settled (`_take_log`): per pool the
+        (table row, ordinal, page) entries in log order (page BAD_PAGE_INDEX: unbacked)."""
         logged: list[tuple[list[int], list[int], list[int]]] = [([], [], []) for _ in self._pools]
-        touched = []
         row_of, rid_of = self._row_of, self._rid_of
         for cache in self._dirty:
             changes = cache.changes.drain()
             if not changes:
                 continue
             r = row_of[rid_of[cache]]
-            touched.append((r, cache, changes))
             for g, ordinals, pages in changes:
                 k = len(ordinals)
                 rows, ords, values = logged[g]
                 rows += [r] * k
                 ords += ordinals
                 values += [BAD_PAGE_INDEX] * k if pages is None else pages
+            self._take_log(r, cache, changes)
         self._dirty.clear()
-        return logged, touched
+        return logged
 
     def _take_log(self, r: int, cache: KVCache, changes: list) -> None:
         """Row r's first/extent brought up to date from its drained log and its cache (a row outgrowing
@@ -400,7 +397,7 @@ class DeviceBlockTable:
             buf[:n] = flat
             buf[n : n + rows], buf[n + rows : n + 2 * rows] = pool.first, pool.extent
             buf[n + 2 * rows :].view(np.int32)[:n] = pool.host.reshape(-1)[flat]
-            staged = to_device(buf, self.device)
+            staged = to_device(buf, self.device, self._stager)
             if n:
                 pool.device.view(-1).index_copy_(0, staged[:n], staged[n + 2 * rows :].view(torch.int32)[:n])
             if pool.scalars_dirty:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..runtime import BAD_PAGE_INDEX, KVCache
-from ..staging import scatter_int32
+from ..staging import PinnedStager, scatter_int32
 
 
 @dataclass(frozen=True)
@@ -235,7 +235,7 @@ def k_offset_values(layout: OffsetLayout, pools: np.ndarray, pages: np.ndarray) 
 
 def write_block_offset_values(
     layout: OffsetLayout, dst_tensor: torch.Tensor, rows: np.ndarray, pools: np.ndarray, ordinals: np.ndarray,
-    k_vals: np.ndarray,
+    k_vals: np.ndarray, stager: PinnedStager | None = None,
 ) -> int:
     """Write single entries of upstream's layout into `dst_tensor` (`"cpp"` offsets, as
     `write_block_offsets`): ordinal `ordinals[i]` of pool `pools[i]` in batch row `rows[i]` gets K
@@ -243,8 +243,8 @@ def write_block_offset_values(
     arrays, one entry per (row, pool, ordinal), each ordinal below the destination's width.
 
     K and V go in as one batch: on the CPU straight into the tensor's memory, on a device as
-    one staged buffer (flat indices and int32 values), one asynchronous copy from pinned memory
-    and one scatter. Returns the entries written (K and V counted)."""
+    one staged buffer (flat indices and int32 values; through `stager`'s arena when given), one
+    asynchronous copy from pinned memory and one scatter. Returns the entries written (K and V counted)."""
     if not rows.size:
         return 0
     v_slot = 1 if layout.kv_factor > 1 else 0
@@ -253,7 +253,7 @@ def write_block_offset_values(
     flat = np.concatenate([k_at, k_at + s2])
     values = np.concatenate([k_vals, k_vals + v_slot])
     # the tensor's memory from its first element to its last written one, by flat offset (any strides)
-    scatter_int32(torch.as_strided(dst_tensor, (int(flat.max()) + 1,), (1,)), flat, values)
+    scatter_int32(torch.as_strided(dst_tensor, (int(flat.max()) + 1,), (1,)), flat, values, stager)
     return flat.size
 
 

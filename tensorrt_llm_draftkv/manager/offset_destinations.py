@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..runtime import KVCache
+from ..staging import PinnedStager
 from . import block_table, export
 from .block_table import DeviceBlockTable, TableDelta, last_of_each
 
@@ -80,6 +81,7 @@ class OffsetDestinations:
         self.last_entries = 0
         #: rows the last call wrote whole
         self.last_full_rows = 0
+        self._stagers: dict[torch.device, PinnedStager] = {}  # the single entries' copies, per device
 
     def forget(self, dst: torch.Tensor) -> None:
         self._written.pop(_key(dst), None)
@@ -115,7 +117,10 @@ class OffsetDestinations:
         entries = self._write_full(layout, dst, ids, caches, full, width, width_label)
         single = _NO_ENTRIES
         if delta is not None and delta.entries:
-            single = self._write_logged(layout, dst, delta, batch_row, width)
+            stager = self._stagers.get(dst.device)
+            if stager is None:
+                stager = self._stagers[dst.device] = PinnedStager(dst.device)
+            single = self._write_logged(layout, dst, delta, batch_row, width, stager)
             entries += 2 * single[0].size
         self._written = {k: w for k, w in self._written.items() if w.tensor() is not None}
         unchanged = before is not None and ids == before.ids
@@ -167,7 +172,7 @@ class OffsetDestinations:
 
     @staticmethod
     def _write_logged(layout: export.OffsetLayout, dst: torch.Tensor, delta: TableDelta, batch_row: np.ndarray,
-                      width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                      width: int, stager: PinnedStager) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The delta's entries of the rows `batch_row` maps (table row -> batch row, -1: none), below `width`;
         returns the `(rows, pools, ordinals, k_values)` written."""
         if sum(e[1].size for e in delta.entries) <= block_table.SMALL_LOG:
@@ -184,7 +189,7 @@ class OffsetDestinations:
         if not b.size:
             return _NO_ENTRIES
         k_values = export.k_offset_values(layout, g, page)
-        export.write_block_offset_values(layout, dst, b, g, o, k_values)
+        export.write_block_offset_values(layout, dst, b, g, o, k_values, stager)
         return b, g, o, k_values
 
     @staticmethod

@@ -360,7 +360,7 @@ class DFlashWorker:
         n = np.asarray(counts, dtype=np.int64)
         width = self._slots().max_new_tokens
         flat = np.repeat(np.arange(n.size) * width - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
-        index = to_device(flat, dev)
+        index = to_device(flat, dev, pool.staging())
         kv = torch.stack([k, k if v is None else v], dim=2)[:, :, : pool.kv_factor]
         for p in sorted(set(pool.layer_pool)):
             layers = [i for i, q in enumerate(pool.layer_pool) if q == p]

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..staging import to_device
+from ..staging import PinnedStager, to_device
 from .slot_snapshot import SlotPlan, SlotSnapshot
 from .slot_start import SlotStart, context_seed
 
@@ -67,6 +67,7 @@ class SlotTable:
         self.private_arena = False
         self.ctx_len = torch.zeros(self.num_slots, dtype=torch.int64, device=device)
         self.base_pages = torch.zeros(self.num_slots, dtype=torch.int64, device=device)
+        self._stager = PinnedStager(device)  # the raised bases' copies
         self._ctx_host = [0] * self.num_slots
         self._base_host = [0] * self.num_slots
         self._offset_host = [0] * self.num_slots
@@ -369,7 +370,7 @@ class SlotTable:
                     raised_slots.append(slot)
                     raised.append(base)
         if raised:
-            values = to_device(torch.tensor([raised_slots, raised], dtype=torch.int64), self.base_pages.device)
+            values = to_device(raised_slots + raised, self.base_pages.device, self._stager).view(2, -1)
             self.base_pages.index_copy_(0, values[0], values[1].to(self.base_pages.dtype))
 
     def advance_host(self, slot: int, new_len: int, consumed: int) -> None:

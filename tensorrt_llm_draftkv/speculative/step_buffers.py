@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from ..kernels import BoundRingPreparation, PagedLatentPrep, prepare_paged_latent
-from ..staging import staged
+from ..staging import PinnedStager, staged
 
 _OUT_FIELDS = ("read_rows", "read_lens", "query_pos", "store_pages", "store_offsets", "new_ctx_len", "shift")
 
@@ -30,6 +30,7 @@ class StepBuffers:
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
+        self._stager = PinnedStager(self.device)
         self._slot_ids = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._slot_host: list[int] = []
         self._num_new = torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -63,7 +64,7 @@ class StepBuffers:
     def _copy_in(self, buffer: torch.Tensor, values: list[int]) -> None:
         if not values:
             return
-        buffer[: len(values)].copy_(staged(values, buffer.device), non_blocking=True)
+        buffer[: len(values)].copy_(staged(values, buffer.device, self._stager), non_blocking=True)
 
     def _view(self, name: str, buffer: torch.Tensor, B: int) -> torch.Tensor:
         view = self._views.get((name, B))

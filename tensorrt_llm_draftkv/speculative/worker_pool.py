@@ -17,7 +17,7 @@ import torch
 
 from ..kernels import ring_entries
 from ..manager.block_table import last_of_each
-from ..staging import scatter_int32
+from ..staging import PinnedStager, scatter_int32
 from .draft_pool import DraftPool
 
 
@@ -53,10 +53,18 @@ class PoolBinding:
     decoded: Optional[tuple] = None
     #: rows the last `decode` decoded whole (the rest: only the entries the manager changed)
     rows_decoded_whole: int = 0
+    #: the decoded entries' copies (made at the first, on the layers' device)
+    stager: Optional[PinnedStager] = None
 
     @property
     def device(self) -> torch.device:
         return self.layers[0].device
+
+    def staging(self) -> PinnedStager:
+        """The binding's kept pinned arena for its small host-to-device copies."""
+        if self.stager is None:
+            self.stager = PinnedStager(self.device)
+        return self.stager
 
     # ------------------------------------------------------------------ tables
     def decode(self, src: torch.Tensor, num_seqs: int) -> None:
@@ -117,10 +125,11 @@ class PoolBinding:
         keep = last_of_each((pools << 56) | (rows << 36) | ordinals)
         rows, pools, ordinals = rows[keep], pools[keep], ordinals[keep]
         pages = np.maximum(k_values[keep], 0) // self.kv_factor
+        stager = self.staging()
         for p in sorted(set(pools.tolist())):
             table = self.tables[p]
             mine = pools == p
-            scatter_int32(table.view(-1), rows[mine] * table.stride(0) + ordinals[mine], pages[mine])
+            scatter_int32(table.view(-1), rows[mine] * table.stride(0) + ordinals[mine], pages[mine], stager)
 
     def pages_for(self, rows: torch.Tensor, positions: torch.Tensor) -> dict[int, torch.Tensor]:
         """Pool -> int64 `[n]` page of each `(row, position)`; -1 past the table's width."""
