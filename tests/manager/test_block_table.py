@@ -22,11 +22,11 @@ from tensorrt_llm_draftkv.manager.block_table import DeviceBlockTable
 P = 4
 
 
-def _manager(window: int = 12, sinks: int = 1, pages: tuple[int, int] = (24, 40)) -> KVCacheManagerV2:
+def _manager(window: int = 12, sinks: int = 1, pages: tuple[int, int] = (24, 40), device: str = "cpu") -> KVCacheManagerV2:
     config = KVPoolConfig(
         layer_groups=(LayerGroupConfig(1, window=window, sink_blocks=sinks), LayerGroupConfig(1, window=None)),
         pages_per_group=pages, tokens_per_block=P, num_kv_heads=1, head_dim=2, dtype=torch.float32,
-        max_seq_len=60 * P,
+        max_seq_len=60 * P, device=device,
     )
     return KVCacheManagerV2.from_pool_config(config)
 
@@ -414,3 +414,40 @@ def test_an_entry_changed_by_two_syncs_before_a_write_lands_as_its_last_change(s
     mgr.copy_batch_block_offsets(dst, [1, 2], 1, 0, 2, max_blocks=20)
     assert mgr.offset_destinations.last_full_rows == 0
     assert torch.equal(dst, mgr.get_block_offsets([1, 2], "cpp", width=20))
+
+
+@pytest.mark.cuda
+def test_the_device_table_and_a_kept_destination_follow_many_steps_cuda():
+    """On the GPU, where every push and every single-entry write goes through a kept pinned arena reused
+    many times over: after each of 300 random steps of sliding rows (window without sinks, and a full
+    group) the device ring equals the host mirror and the kept destination equals a fresh export."""
+    rng = np.random.default_rng(7)
+    mgr = _manager(window=12, sinks=0, pages=(80, 160), device="cuda")
+    dst = torch.full((2, 6, 2, 40), -9, dtype=torch.int32, device="cuda")
+    for rid in range(6):
+        cache = mgr.caches.new(rid)
+        assert cache.resize(int(rng.integers(1, 40)), 0)
+        mgr.caches[rid] = cache
+    ids = list(range(6))
+    from tensorrt_llm_draftkv.staging import PinnedStager
+
+    table = mgr.device_block_table
+    table._stager = PinnedStager("cuda", capacity=256)  # small arenas: a full turn every few steps
+    mgr.offset_destinations._stagers[dst.device] = PinnedStager("cuda", capacity=256)
+    for step in range(300):
+        for rid in ids:
+            cache = mgr.get_cache(rid)
+            if cache.capacity >= 38 * P:  # a finished request makes room for a fresh one under its id
+                mgr.caches.pop(rid).free()
+                cache = mgr.caches.new(rid)
+                assert cache.resize(int(rng.integers(1, 20)), 0)
+                mgr.caches[rid] = cache
+            elif rng.random() < 0.6:
+                history = cache.history_length + int(rng.integers(1, 4))
+                cache.resize(max(cache.capacity, history) + int(rng.integers(0, 3)), history)
+        mgr.copy_batch_block_offsets(dst, ids, 1, 0, len(ids), max_blocks=40)
+        assert torch.equal(dst, mgr.get_block_offsets(ids, "cpp", width=40)), step
+        for rid in ids:
+            for g in range(2):
+                assert np.array_equal(table.device_row(g, rid), table.host_row(g, rid)[2]), (step, rid, g)
+    assert table._stager.turns > 8 and mgr.offset_destinations._stagers[dst.device].turns > 8
