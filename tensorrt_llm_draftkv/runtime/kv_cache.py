@@ -152,7 +152,9 @@ class KVCache:
         ordinal `start` and the row's last ordinal are backed (a mirror following a sliding window)."""
         row = self._rows[group]
         n = len(row)
-        first = start if start < n and row[start] != BAD_PAGE_INDEX else self.first_backed(group, start)
+        first = start
+        while first < n and row[first] == BAD_PAGE_INDEX:  # `first_backed`, inlined: a slide moves it a page
+            first += 1
         return first, (n if n and row[-1] != BAD_PAGE_INDEX else self.backed_extent(group))
 
     def held_pages(self, group: int) -> list[int]:
