@@ -74,6 +74,9 @@ def test_a_stager_stays_out_of_a_captured_graph_and_of_large_claims_cuda():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         stager.claim(4)
+        dst.add_(1)
     assert stager.claims == 0
+    graph.replay()
+    assert torch.equal(dst.cpu(), torch.ones(4, dtype=torch.int64))
     dst.copy_(to_device(np.arange(4, dtype=np.int64), "cuda", stager))
     assert stager.claims == 1 and torch.equal(dst.cpu(), torch.arange(4))
