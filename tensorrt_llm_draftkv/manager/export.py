@@ -29,9 +29,13 @@ class OffsetLayout:
     device: str
     guard_pages: tuple[int | None, ...]
     torch_device: torch.device = field(init=False, repr=False, compare=False)  # `device`, parsed once
+    #: int64 [num_pools]: each pool's "cpp" K offset of an unbacked ordinal (`_fill`), made once
+    cpp_fills: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "torch_device", torch.device(self.device))
+        fills = [0 if guard is None else guard * self.kv_factor for guard in self.guard_pages]
+        object.__setattr__(self, "cpp_fills", np.array(fills, dtype=np.int64))
 
     @property
     def num_pools(self) -> int:
@@ -229,8 +233,7 @@ def write_block_offsets(
 def k_offset_values(layout: OffsetLayout, pools: np.ndarray, pages: np.ndarray) -> np.ndarray:
     """The `"cpp"` K offset of each `(pools[i], pages[i])` entry (int64): `page * kv_factor`, or the pool's
     fill for an unbacked page (BAD_PAGE_INDEX)."""
-    fills = np.array([_fill(layout, p, backend="cpp") for p in range(layout.num_pools)], dtype=np.int64)
-    return np.where(pages >= 0, pages * layout.kv_factor, fills[pools])
+    return np.where(pages >= 0, pages * layout.kv_factor, layout.cpp_fills[pools])
 
 
 def write_block_offset_values(
