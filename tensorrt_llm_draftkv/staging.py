@@ -22,11 +22,6 @@ import torch
 
 HostValues = Union[np.ndarray, torch.Tensor, Sequence[int]]
 
-# torch's own calls behind `torch.cuda.current_stream` and `is_current_stream_capturing`, without their
-# wrappers (a claim runs on every step's copies); absent from CPU-only builds, where no claim uses them
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
-
 
 class PinnedStager:
     """Host values for small host-to-device copies, written into one kept pinned arena (int64 slots).
@@ -46,12 +41,11 @@ class PinnedStager:
             raise ValueError(f"PinnedStager: capacity {capacity} is below {self.SEGMENTS} int64 slots")
         self.device = torch.device(device)
         self._part = capacity // self.SEGMENTS
-        self._arena: torch.Tensor | None = None  # made at the first claim on a CUDA device
+        self._arena: torch.Tensor | None = None  # made at the first claim
         self._host: np.ndarray | None = None
-        self._index = 0  # the CUDA device's index
         self._pos = 0
         self._segment = 0
-        self._streams: dict[int, "torch.cuda.Stream"] = {}  # raw handle -> stream that claimed from this part
+        self._streams: dict[int, "torch.cuda.Stream"] = {}  # streams that claimed from the current part
         self._done: list[list["torch.cuda.Event"]] = [[] for _ in range(self.SEGMENTS)]
         #: claims served by the arena, and parts re-entered after waiting (tests read them)
         self.claims = 0
@@ -60,20 +54,18 @@ class PinnedStager:
     def claim(self, n: int) -> tuple[np.ndarray, torch.Tensor]:
         """`n` int64 slots: a numpy view to fill and the same memory as a tensor to copy from (with
         `non_blocking=True`, on the current stream, before the next claim)."""
-        if self._arena is None or n > self._part or _capturing():
-            if self.device.type != "cuda" or n > self._part or torch.cuda.is_current_stream_capturing():
-                own = torch.empty(n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-                return own.numpy(), own
+        if self.device.type != "cuda" or n > self._part or torch.cuda.is_current_stream_capturing():
+            own = torch.empty(n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            return own.numpy(), own
+        if self._arena is None:
             self._arena = torch.empty(self._part * self.SEGMENTS, dtype=torch.int64, pin_memory=True)
             self._host = self._arena.numpy()
-            self._index = torch.cuda.current_device() if self.device.index is None else self.device.index
         if self._pos + n > (self._segment + 1) * self._part:
             self._next_part()
         a = self._pos
         self._pos += n
-        raw = _raw_stream(self._index)  # the copy's stream, by handle (cheap): a new one is kept for the event
-        if raw not in self._streams:
-            self._streams[raw] = torch.cuda.current_stream(self._index)
+        stream = torch.cuda.current_stream(self.device)
+        self._streams.setdefault(stream.stream_id, stream)
         self.claims += 1
         assert self._host is not None
         return self._host[a : a + n], self._arena[a : a + n]
@@ -98,16 +90,13 @@ def staged(values: HostValues, device: torch.device | str, stager: PinnedStager 
     """`values` (a numpy array, a CPU tensor or a list of ints, which becomes int64) as a host tensor
     ready for a copy to `device` with `non_blocking=True`: pinned when `device` is CUDA. With a
     `stager`, int64 values go into its arena (other dtypes as without)."""
-    if stager is not None and stager.device.type == "cuda":
+    if stager is not None and torch.device(device).type == "cuda":
         arr = values.numpy() if isinstance(values, torch.Tensor) else values
-        if not isinstance(arr, np.ndarray):
-            host, tensor = stager.claim(len(arr))
-            host[:] = arr
-            return tensor
-        if arr.dtype == np.int64:
-            host, tensor = stager.claim(arr.size)
-            host[:] = arr.reshape(-1)
-            return tensor if arr.ndim == 1 else tensor.view(arr.shape)
+        if not isinstance(arr, np.ndarray) or arr.dtype == np.int64:
+            n = arr.size if isinstance(arr, np.ndarray) else len(arr)
+            host, tensor = stager.claim(n)
+            host[:] = np.ravel(arr) if isinstance(arr, np.ndarray) else arr
+            return tensor.view(arr.shape) if isinstance(arr, np.ndarray) else tensor
     if isinstance(values, np.ndarray):
         host = torch.from_numpy(values)
     elif isinstance(values, torch.Tensor):
