@@ -29,7 +29,7 @@ class OffsetLayout:
     device: str
     guard_pages: tuple[int | None, ...]
     torch_device: torch.device = field(init=False, repr=False, compare=False)  # `device`, parsed once
-    #: int64 [num_pools]: each pool's "cpp" K offset of an unbacked ordinal (`_fill`), made once
+    #: int64 [num_pools]: each pool's "cpp" K offset of an unbacked ordinal (page 0's, or its guard page's)
     cpp_fills: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -136,10 +136,7 @@ def _memo(cache: KVCache, p: int, use: str, scale: int, v_slot: int, fill: int |
 
 def _fill(layout: OffsetLayout, p: int, backend: str) -> int | None:
     """K offset of an unbacked ordinal in pool p (None: -1, the python backend)."""
-    if backend != "cpp":
-        return None
-    guard = layout.guard_pages[p]
-    return 0 if guard is None else guard * layout.kv_factor
+    return int(layout.cpp_fills[p]) if backend == "cpp" else None
 
 
 def block_offset_array(

@@ -76,21 +76,22 @@ class RingFollowsRows(RuleBasedStateMachine):
 
     @rule(picks=st.lists(st.integers(0, 1000), min_size=1, max_size=3), grow=st.integers(1, 30))
     def rolled_back_batch(self, picks: list[int], grow: int) -> None:
-        if not self.live():
-            return
-        ids = sorted({self.live()[p % len(self.live())] for p in picks})
-        with pytest.raises(RuntimeError):
-            with self.mgr.caches.transaction(ids):
-                for rid in ids:
-                    cache = self.mgr.get_cache(rid)
-                    cache.resize(cache.capacity + grow, cache.history_length + grow // 2)
-                raise RuntimeError("the step failed")
+        self._roll_back(picks, lambda c: (c.capacity + grow, c.history_length + grow // 2), sync_inside=False)
 
     @rule(picks=st.lists(st.integers(0, 1000), min_size=1, max_size=3), grow=st.integers(0, 30),
           advance=st.integers(1, 30))
     def batch_rolled_back_after_a_sync(self, picks: list[int], grow: int, advance: int) -> None:
         """The table syncs inside the batch, then the batch rolls back: the next sync sees pages below the
         row's first backed again, and its top released where the batch grew it."""
+        def size(c):
+            history = c.history_length + advance
+            return max(c.capacity, history) + grow, history
+
+        self._roll_back(picks, size, sync_inside=True)
+
+    def _roll_back(self, picks: list[int], size, *, sync_inside: bool) -> None:
+        """Resize the picked requests to `size(cache)` in one batch (the table synced inside it or not), then
+        fail the batch: every resize is undone."""
         if not self.live():
             return
         ids = sorted({self.live()[p % len(self.live())] for p in picks})
@@ -98,9 +99,9 @@ class RingFollowsRows(RuleBasedStateMachine):
             with self.mgr.caches.transaction(ids):
                 for rid in ids:
                     cache = self.mgr.get_cache(rid)
-                    history = cache.history_length + advance
-                    cache.resize(max(cache.capacity, history) + grow, history)
-                self.table.sync(self.live(), [self.mgr.get_cache(r) for r in self.live()])
+                    cache.resize(*size(cache))
+                if sync_inside:
+                    self.table.sync(self.live(), [self.mgr.get_cache(r) for r in self.live()])
                 raise RuntimeError("the step failed")
 
     @rule(pick=st.integers(0, 1000), drop=st.integers(1, 12))
