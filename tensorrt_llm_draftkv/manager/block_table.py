@@ -59,6 +59,8 @@ class TableDelta:
 
     whole: set[int]
     entries: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]
+    #: syncs merged into this delta; from one sync, no (pool, row, ordinal) appears twice in `entries`
+    syncs: int = 1
 
 
 def last_of_each(key: np.ndarray) -> np.ndarray:
@@ -74,8 +76,13 @@ SMALL_LOG = 32
 
 
 def _last_entries(rows: list[int], ordinals: list[int], pages: list[int]) -> tuple[np.ndarray, ...]:
-    """The entries as int64 arrays, only the last one of each (row, ordinal), by ascending (row, ordinal)."""
+    """The entries as int64 arrays, only the last one of each (row, ordinal): in log order when no
+    (row, ordinal) repeats (a page crossing's log), else by ascending (row, ordinal)."""
     r, o, page = (np.array(a, dtype=np.int64) for a in (rows, ordinals, pages))
+    if len(set(zip(rows, ordinals))) == len(rows):
+        # A set of Python pairs costs a few µs; np.unique's sort costs ten times that inside a step,
+        # whose other work has pushed numpy's code out of the processor's caches.
+        return r, o, page
     keep = last_of_each((r << 40) | o)  # ordinals < 2**40
     return r[keep], o[keep], page[keep]
 
@@ -243,11 +250,11 @@ class DeviceBlockTable:
         """What the syncs after `epoch` changed, merged in order (see `TableDelta`); None when those
         syncs are no longer remembered."""
         if epoch == self.epoch:
-            return TableDelta(set(), [])
+            return TableDelta(set(), [], 0)
         kept = [d for e, d in self._deltas if e > epoch]
         if not self._deltas or self._deltas[0][0] > epoch + 1 or len(kept) != self.epoch - epoch:
             return None
-        return TableDelta(set().union(*(d.whole for d in kept)), [e for d in kept for e in d.entries])
+        return TableDelta(set().union(*(d.whole for d in kept)), [e for d in kept for e in d.entries], len(kept))
 
     def _take_logs(self) -> list[tuple[list[int], list[int], list[int]]]:
         """Every dirty cache's log, drained, its row's first/extent settled (`_take_log`): per pool the
@@ -389,7 +396,10 @@ class DeviceBlockTable:
                 continue
             if not pool.pending and not pool.scalars_dirty:
                 continue
-            flat = np.unique(np.concatenate(pool.pending)) if pool.pending else np.empty(0, dtype=np.int64)
+            # Repeated indices are harmless: each one's value is read from the host ring below, so every
+            # copy of an index carries the same value (no np.unique: its sort is most of a small push).
+            flat = (pool.pending[0] if len(pool.pending) == 1 else np.concatenate(pool.pending)) if pool.pending \
+                else np.empty(0, dtype=np.int64)
             pool.pending.clear()
             n = flat.size
             # [flat indices (n) | first (rows) | extent (rows) | the n int32 pages, two per int64 slot]

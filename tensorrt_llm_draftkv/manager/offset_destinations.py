@@ -183,9 +183,9 @@ class OffsetDestinations:
             b = np.where(r < batch_row.size, batch_row[np.minimum(r, batch_row.size - 1)], -1)
             keep = (b >= 0) & (o < width)
             g, b, o, page = g[keep], b[keep], o[keep], page[keep]
-            # several syncs may log one entry: the last one holds its page now
-            pick = last_of_each((g << 56) | (b << 36) | o)
-            b, g, o, page = b[pick], g[pick], o[pick], page[pick]
+            if delta.syncs > 1:  # several syncs may log one entry: the last one holds its page now
+                pick = last_of_each((g << 56) | (b << 36) | o)
+                b, g, o, page = b[pick], g[pick], o[pick], page[pick]
         if not b.size:
             return _NO_ENTRIES
         k_values = export.k_offset_values(layout, g, page)

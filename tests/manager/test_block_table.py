@@ -202,6 +202,49 @@ def test_a_generation_step_writes_only_what_its_resize_changed():
     assert table.relayouts == 0
 
 
+@pytest.mark.parametrize("small_log", [0, 256])
+@pytest.mark.parametrize("seed", range(4))
+def test_one_sync_names_each_entry_once_with_its_page_now(seed, small_log, monkeypatch):
+    """Random resizes, some logging one ordinal twice between two syncs (a page given and taken back): the
+    delta of one sync holds each (pool, table row, ordinal) once, with the page the cache has there now,
+    which the offsets writer relies on to skip its own keep-last."""
+    from tensorrt_llm_draftkv.manager import block_table
+
+    monkeypatch.setattr(block_table, "SMALL_LOG", small_log)
+    rng = np.random.default_rng(seed)
+    mgr = _manager(window=12, sinks=0, pages=(60, 120))
+    table = DeviceBlockTable(mgr.num_pools, "cpu", width=64)
+    for rid in range(5):
+        cache = mgr.caches.new(rid)
+        assert cache.resize(int(rng.integers(1, 40)), 0)
+        mgr.caches[rid] = cache
+    ids = mgr.request_ids()
+    repeats = 0
+    for step in range(40):
+        for rid in ids:
+            cache = mgr.get_cache(rid)
+            before = cache.num_blocks
+            grow = int(rng.integers(0, 6))
+            history = min(cache.history_length + int(rng.integers(0, 5)), cache.capacity + grow)
+            cache.resize(min(max(cache.capacity, history) + grow, 40 * P), min(history, 40 * P))
+            grown = cache.num_blocks
+            if rng.random() < 0.4:  # drafts rejected: the pages just given are taken back (ordinals logged twice)
+                cache.resize(max(cache.history_length, cache.capacity - int(rng.integers(1, 9)), 1),
+                             cache.history_length)
+                repeats += grown > max(before, cache.num_blocks)
+        epoch = table.epoch
+        table.sync(ids, [mgr.get_cache(rid) for rid in ids])
+        delta = table.changes_since(epoch)
+        for g, rows, ordinals, pages in delta.entries:
+            pairs = list(zip(rows.tolist(), ordinals.tolist()))
+            assert len(set(pairs)) == len(pairs), (seed, step)
+            row_of = {table.row_of(rid): rid for rid in ids}
+            for (r, o), page in zip(pairs, pages.tolist()):
+                assert page == mgr.get_cache(row_of[r]).block_entry(g, o), (seed, step, r, o)
+    check_rows(table, mgr, ids)
+    assert repeats >= 5  # the workload logged ordinals twice in one sync
+
+
 def test_the_ring_of_a_windowed_pool_stays_narrow_whatever_the_prompt():
     """Ring width follows the window's live span, not the prompt: a 3,000-page prompt on a 3-page window."""
     mgr = _manager(window=12, sinks=0, pages=(40, 4000))
@@ -245,6 +288,9 @@ def test_copy_batch_block_offsets_into_a_kept_tensor_equals_a_fresh_export(seed,
                     grow = int(rng.integers(0, 4))
                     history = min(cache.history_length + int(rng.integers(0, 4)), cache.capacity + grow)
                     cache.resize(min(max(cache.capacity, history) + grow, 40 * P), min(history, 40 * P))
+                elif rng.random() < 0.3:  # drafts rejected: pages an earlier sync logged are released again
+                    cache.resize(max(cache.history_length, cache.capacity - int(rng.integers(1, 9)), 1),
+                                 cache.history_length)
             if mgr.request_ids():
                 mgr.sync_block_table(mgr.request_ids())  # the table moves on without this destination
         if rng.random() < 0.1 and mgr.request_ids():
@@ -253,10 +299,19 @@ def test_copy_batch_block_offsets_into_a_kept_tensor_equals_a_fresh_export(seed,
         if rng.random() < 0.2:
             ids = list(rng.permutation(ids))[: int(rng.integers(0, len(ids) + 1))]
         ids = [int(i) for i in ids]
+        serial = mgr.offset_destinations.serial(dst)
         mgr.copy_batch_block_offsets(dst, ids, 1, 0, len(ids), max_blocks=40)
         if ids:
             want = mgr.get_block_offsets(ids, "cpp", width=40)
             assert torch.equal(dst[:, : len(ids)], want), (seed, step)
+        if serial is not None:
+            # one write names each (row, pool, ordinal) once, with the K offset it holds now (on a device
+            # a repeated index of one scatter would land in any order)
+            _, rows, pools, ordinals, k_values = mgr.offset_destinations.written_since(dst, serial)
+            triples = list(zip(rows.tolist(), pools.tolist(), ordinals.tolist()))
+            assert len(set(triples)) == len(triples), (seed, step)
+            for (b, g, o), k in zip(triples, k_values.tolist()):
+                assert int(dst[g, b, 0, o]) == k, (seed, step, b, g, o)
     # the same batch twice: the second call writes nothing; then one request grows by a page
     ids = mgr.request_ids()
     mgr.copy_batch_block_offsets(dst, ids, 1, 0, len(ids), max_blocks=40)
