@@ -373,6 +373,11 @@ def _prepare_ring(
     return out
 
 
+#: the widest ring whose row a program holds in registers (``_ring_kernel.py``'s ``CBLOCK``): a
+#: window of up to 32k tokens at 32 tokens a page; a wider ring is read entry by entry
+RING_GATHER_MAX_COLUMNS = 1024
+
+
 def ring_launch(
     tensors: tuple[torch.Tensor, ...], out: PagedLatentPrep, kw: dict, block: Optional[int], num_warps: Optional[int]
 ) -> tuple[tuple[int, int], tuple, dict]:
@@ -394,6 +399,7 @@ def ring_launch(
         QBLOCK=next_pow2(max(kw["block_size"], 1)),
         NBLOCK=next_pow2(max(kw["max_new"], 1)),
         WINDOWED=kw["read_window"] is not None,
+        CBLOCK=next_pow2(C) if C <= RING_GATHER_MAX_COLUMNS else 0,
         num_warps=num_warps or warps_for(blk),
     )
     return (B, max(1, -(-out_w // blk))), args, meta
