@@ -373,9 +373,12 @@ def _prepare_ring(
     return out
 
 
-#: the widest ring whose row a program holds in registers (``_ring_kernel.py``'s ``CBLOCK``): a
-#: window of up to 32k tokens at 32 tokens a page; a wider ring is read entry by entry
-RING_GATHER_MAX_COLUMNS = 1024
+#: the widest ring whose row a program holds in registers (``_ring_kernel.py``'s ``CBLOCK``); a wider
+#: ring is read entry by entry. 0 (every ring entry by entry) until the register form has run on a GPU:
+#: it is checked by the interpreter and builds for sm_90, but its CUDA tests and timings are still to
+#: come (``benchmarks/ring_step.py`` times both forms; 1,024 columns, a 32k-token window at 32 tokens a
+#: page, is the intended setting)
+RING_GATHER_MAX_COLUMNS = 0
 
 
 def ring_launch(
