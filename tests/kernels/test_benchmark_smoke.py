@@ -88,3 +88,16 @@ def test_the_step_against_a_baseline_runs_a_tree_in_its_own_process():
     (got,) = sa.run_tree(here, "cpu", [(3, 2047, True)])
     assert got[:3] == [3, 2047, True] and set(got[3]) == set(sa.PHASES)
     assert all(v > 0 for v in got[3].values())
+
+
+def test_step_calls_benchmark_times_every_phase_and_finds_the_step_s_operators_on_cpu():
+    """``benchmarks/step_calls.py``: every step has every phase timed, and the calls it attributes to the
+    phases are the ones each makes (the generation preparation's reference kernel runs torch operators; the
+    managers' resizes none)."""
+    from benchmarks import draft_step, step_calls
+
+    got = step_calls.run_case(4, 4095, False, "cpu", steps=3)
+    assert len(got["per_step"]) == 3
+    assert all(set(row) == set(draft_step.PHASES) and min(row.values()) > 0 for row in got["per_step"])
+    assert sum(got["calls"]["gen prep"].values()) > 10 * step_calls.PROFILED_STEPS
+    assert not got["calls"]["mgr prepare"] and not got["calls"]["mgr update"]
