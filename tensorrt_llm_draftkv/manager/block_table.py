@@ -396,10 +396,7 @@ class DeviceBlockTable:
                 continue
             if not pool.pending and not pool.scalars_dirty:
                 continue
-            # Repeated indices are harmless: each one's value is read from the host ring below, so every
-            # copy of an index carries the same value (no np.unique: its sort is most of a small push).
-            flat = (pool.pending[0] if len(pool.pending) == 1 else np.concatenate(pool.pending)) if pool.pending \
-                else np.empty(0, dtype=np.int64)
+            flat = np.unique(np.concatenate(pool.pending)) if pool.pending else np.empty(0, dtype=np.int64)
             pool.pending.clear()
             n = flat.size
             # [flat indices (n) | first (rows) | extent (rows) | the n int32 pages, two per int64 slot]
