@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .kv_cache import KVCache, ResizePlan
+from .kv_cache import KVCache
+from .resize_plan import ResizePlan
 from .layer_group import LayerGroup
 
 

@@ -14,7 +14,7 @@ from .layer_group import LayerGroup
 from .page_pool import BAD_PAGE_INDEX
 from .prefix_cache import PageKey
 from .prefix_keys import PrefixKeys, adoption_settled
-from .resize_plan import GroupPlan, ceil_div, cursor_range, plan_group_resize
+from .resize_plan import CursorRange, GroupPlan, ResizePlan, ceil_div, cursor_range, plan_group_resize
 
 
 class _Undo(NamedTuple):
@@ -24,27 +24,6 @@ class _Undo(NamedTuple):
     settled: tuple[int, ...]
     held: tuple[int, ...]
     rows: list[tuple[int, list[tuple[int, int]]]]  # per group: (old length, old entries)
-
-
-class ResizePlan(NamedTuple):
-    """One cache's planned resize (`KVCache.plan_resize`): the new sizes in tokens, and per layer
-    group what changes in its row (None: no row changes, only the cursors move)."""
-
-    capacity: int
-    history: int
-    plans: list[GroupPlan] | None
-
-
-class CursorRange(NamedTuple):
-    """The sizes (absolute tokens) a resize serves by moving only the cursors, for one row state
-    (`KVCache.cursor_range`): capacity in `(capacity_above, capacity_max]` (the same block count in
-    every row) and history at most `history_max` (no windowed block goes newly stale). `version` is
-    the cache's version it was computed at."""
-
-    capacity_above: int
-    capacity_max: int
-    history_max: int
-    version: int
 
 
 class KVCache:

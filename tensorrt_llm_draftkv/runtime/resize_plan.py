@@ -26,6 +26,27 @@ class GroupPlan(NamedTuple):
     settled: int  # ordinals below this never change again
 
 
+class ResizePlan(NamedTuple):
+    """One cache's planned resize (`KVCache.plan_resize`): the new sizes in tokens, and per layer
+    group what changes in its row (None: no row changes, only the cursors move)."""
+
+    capacity: int
+    history: int
+    plans: list[GroupPlan] | None
+
+
+class CursorRange(NamedTuple):
+    """The sizes (absolute tokens) a resize serves by moving only the cursors, for one row state
+    (`KVCache.cursor_range`): capacity in `(capacity_above, capacity_max]` (the same block count in
+    every row) and history at most `history_max` (no windowed block goes newly stale). `version` is
+    the cache's version it was computed at."""
+
+    capacity_above: int
+    capacity_max: int
+    history_max: int
+    version: int
+
+
 def plan_group_resize(
     row: Sequence[int], settled: int, life_cycle: LifeCycle, tokens_per_block: int, capacity: int, history: int
 ) -> GroupPlan:
@@ -110,4 +131,4 @@ def cursor_range(
     return (n - 1) * P, n * P, history_max
 
 
-__all__ = ["GroupPlan", "ceil_div", "cursor_range", "plan_group_resize"]
+__all__ = ["CursorRange", "GroupPlan", "ResizePlan", "ceil_div", "cursor_range", "plan_group_resize"]
