@@ -12,11 +12,6 @@ prompt's end, slots based at 0, block 16. Timed, all on the same inputs:
   ``W/P + 1`` entries read and its read row written), as a same-bytes floor, launched
   directly (``graph/copy``) and captured and replayed as the step is (``graph/graph``:
   both through the same launch mechanism);
-* ``entries graph``: the same replay with the kernel reading each ring entry it needs from memory
-  (the package's default until the other form is measured, and the form for rings over
-  ``RING_GATHER_MAX_COLUMNS`` columns), so the two designs are compared in the same run
-  (``entries/cg``: against the replayed copy, as ``graph/graph``); every other column is the
-  kernel holding each ring row in registers;
 * ``host``: wall-clock µs per checked call, back to back (the launch's host cost);
 * ``bound``: the same per call of a ``BoundRingPreparation`` over the same tensors
   (checked once, then one driver launch per call), beside ``copy_``'s own host cost.
@@ -38,7 +33,6 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from tensorrt_llm_draftkv import kernels as K  # noqa: E402
-from tensorrt_llm_draftkv.kernels import spec_tail_kernels  # noqa: E402
 from tensorrt_llm_draftkv.kernels.reference import window_read_width  # noqa: E402
 
 P, W, BS, MAX_NEW = 32, 4096, 16, 16
@@ -58,15 +52,6 @@ def make(B: int, prompt: int, dev: torch.device, seed: int = 0):
 
 
 def bench(B: int, prompt: int, dev: torch.device) -> dict:
-    default = spec_tail_kernels.RING_GATHER_MAX_COLUMNS
-    spec_tail_kernels.RING_GATHER_MAX_COLUMNS = 1024  # the row in registers (the ring here is 136 columns)
-    try:
-        return _bench(B, prompt, dev)
-    finally:
-        spec_tail_kernels.RING_GATHER_MAX_COLUMNS = default
-
-
-def _bench(B: int, prompt: int, dev: torch.device) -> dict:
     import triton.testing as tt
 
     pages, extent, rows, first, *vectors = make(B, prompt, dev)
@@ -86,17 +71,6 @@ def _bench(B: int, prompt: int, dev: torch.device) -> dict:
     with torch.cuda.graph(graph):
         call()
     replay = tt.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
-    spec_tail_kernels.RING_GATHER_MAX_COLUMNS = 0  # the entry-by-entry kernel, same inputs and outputs
-    out.read_rows.fill_(-7)
-    call()
-    torch.cuda.synchronize()
-    for name, t in want.tensors().items():
-        assert torch.equal(getattr(out, name), t), name
-    entries_graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(entries_graph):
-        call()
-    entries = tt.do_bench(entries_graph.replay, warmup=25, rep=200, return_mode="median")
-    spec_tail_kernels.RING_GATHER_MAX_COLUMNS = 1024
     width = window_read_width(W, P)
     src = torch.randint(0, 1 << 20, (B * (width + 1) * 2,), dtype=torch.int32, device=dev)
     dst = torch.empty_like(src)
@@ -108,8 +82,8 @@ def _bench(B: int, prompt: int, dev: torch.device) -> dict:
     bound = K.BoundRingPreparation(pages, extent, rows, first, *vectors, out=out, **kw)
     bound()
     assert bound.is_bound
-    return {"B": B, "prompt": prompt, "ring_us": direct * 1e3, "graph_us": replay * 1e3,
-            "entries_graph_us": entries * 1e3, "copy_us": copy * 1e3, "copy_graph_us": copy_replay * 1e3,
+    return {"B": B, "prompt": prompt, "ring_us": direct * 1e3, "graph_us": replay * 1e3, "copy_us": copy * 1e3,
+            "copy_graph_us": copy_replay * 1e3,
             "host_us": _host_us(call), "bound_us": _host_us(bound), "copy_host_us": _host_us(lambda: dst.copy_(src))}
 
 
@@ -137,16 +111,14 @@ def main() -> None:
     prompts = (32_768, 2_097_152) if args.quick else (32_768, 131_072, 524_288, 2_097_152)
     rows = []
     print(f"{'B':>5} {'prompt':>9} {'ring us':>8} {'graph us':>9} {'copy us':>8} {'graph/copy':>10}"
-          f" {'copy graph':>10} {'graph/graph':>11} {'entries graph':>13} {'entries/cg':>10} {'host us':>8}"
-          f" {'bound us':>9} {'copy_ host':>10}")
+          f" {'copy graph':>10} {'graph/graph':>11} {'host us':>8} {'bound us':>9} {'copy_ host':>10}")
     for B in (8, 64, 256):
         for prompt in prompts:
             r = bench(B, prompt, dev)
             rows.append(r)
             print(f"{B:>5} {prompt:>9} {r['ring_us']:>8.2f} {r['graph_us']:>9.2f} {r['copy_us']:>8.2f} "
                   f"{r['graph_us'] / r['copy_us']:>10.2f} {r['copy_graph_us']:>10.2f}"
-                  f" {r['graph_us'] / r['copy_graph_us']:>11.2f} {r['entries_graph_us']:>13.2f}"
-                  f" {r['entries_graph_us'] / r['copy_graph_us']:>10.2f} {r['host_us']:>8.1f} {r['bound_us']:>9.1f}"
+                  f" {r['graph_us'] / r['copy_graph_us']:>11.2f} {r['host_us']:>8.1f} {r['bound_us']:>9.1f}"
                   f" {r['copy_host_us']:>10.1f}", flush=True)
     print("targets: graph replay <= 1.2x the same-bytes copy (shown against the copy launched directly and replayed);"
           " bound call <= 12 us of host time")

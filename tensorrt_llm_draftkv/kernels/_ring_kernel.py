@@ -6,11 +6,6 @@ block ordinal ``o`` at column ``o % C`` inside its live span ``[first[r], extent
 everything else is as the two-step body (``_prepare_kernel.py``, layout conventions in
 ``_triton_kernels.py``): grid ``(B, chunks of the read row)``, chunk 0 writes the
 row's scalars and store targets.
-
-When the ring is narrow (``CBLOCK``, the next power of two of ``C``, is not 0) each program
-loads its whole ring row as soon as it knows the row, in parallel with the row's scalars, and
-takes the entries it needs from registers (``tl.gather``): two levels of dependent loads
-instead of three, which is most of a small step's latency.
 """
 from __future__ import annotations
 
@@ -47,16 +42,11 @@ def ring_kernel(
     QBLOCK: tl.constexpr,
     NBLOCK: tl.constexpr,
     WINDOWED: tl.constexpr,
-    CBLOCK: tl.constexpr,  # next power of two of C, or 0: read the ring entry by entry
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     r = tl.load(trow_ptr + row).to(tl.int64)
     slot = tl.load(slot_ptr + row).to(tl.int64)
-    tab_row = tab_ptr + r * s_tb
-    if CBLOCK > 0:  # issued before the scalars' loads so both are in flight together
-        ring_cols = tl.arange(0, CBLOCK)
-        ring = tl.load(tab_row + ring_cols * s_tm, mask=ring_cols < C, other=-1)
     first = tl.load(first_ptr + r).to(tl.int64)
     ext = tl.load(ext_ptr + r).to(tl.int64)
     base = tl.load(basep_ptr + slot).to(tl.int64)
@@ -67,6 +57,7 @@ def ring_kernel(
     if WINDOWED:
         base = tl.maximum(base, tl.maximum(new_ctx + block_size - window, 0) // P)
     shift = tl.maximum(tl.minimum(base, ext), 0)
+    tab_row = tab_ptr + r * s_tb
 
     # read_rows[b, j] = page of ordinal shift + j, inside the row's live span
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -74,11 +65,7 @@ def ring_kernel(
     inside = (src >= first) & (src < ext)
     if WINDOWED:
         inside = inside & (src * P < new_ctx + block_size)  # nothing past the block's last page
-    col = tl.where(inside, src, 0) % C
-    if CBLOCK > 0:
-        v = tl.where(inside, tl.gather(ring, col.to(tl.int32), 0), -1)
-    else:
-        v = tl.load(tab_row + col * s_tm, mask=inside, other=-1)
+    v = tl.load(tab_row + (tl.where(inside, src, 0) % C) * s_tm, mask=inside, other=-1)
     tl.store(rows_ptr + row * s_rb + cols, v.to(tl.int32), mask=cols < out_w)
 
     if chunk == 0:
@@ -97,10 +84,7 @@ def ring_kernel(
         valid = in_out & (i < n) & (pos < max_ctx) & (pos >= 0)
         ordinal = tl.where(valid, pos, 0) // P
         in_table = valid & (ordinal >= first) & (ordinal < ext)
-        if CBLOCK > 0:
-            pg = tl.gather(ring, (ordinal % C).to(tl.int32), 0)
-        else:
-            pg = tl.load(tab_row + (ordinal % C) * s_tm, mask=in_table, other=-1)
+        pg = tl.load(tab_row + (ordinal % C) * s_tm, mask=in_table, other=-1)
         pg = tl.where(in_table, pg, -1)
         off = tl.where(valid, pos % P, -1)
         tl.store(spage_ptr + row * max_new + i, pg.to(tl.int32), mask=in_out)

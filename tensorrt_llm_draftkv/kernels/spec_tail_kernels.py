@@ -373,14 +373,6 @@ def _prepare_ring(
     return out
 
 
-#: the widest ring whose row a program holds in registers (``_ring_kernel.py``'s ``CBLOCK``); a wider
-#: ring is read entry by entry. 0 (every ring entry by entry) until the register form has run on a GPU:
-#: it is checked by the interpreter and builds for sm_90, but its CUDA tests and timings are still to
-#: come (``benchmarks/ring_step.py`` times both forms; 1,024 columns, a 32k-token window at 32 tokens a
-#: page, is the intended setting)
-RING_GATHER_MAX_COLUMNS = 0
-
-
 def ring_launch(
     tensors: tuple[torch.Tensor, ...], out: PagedLatentPrep, kw: dict, block: Optional[int], num_warps: Optional[int]
 ) -> tuple[tuple[int, int], tuple, dict]:
@@ -402,7 +394,6 @@ def ring_launch(
         QBLOCK=next_pow2(max(kw["block_size"], 1)),
         NBLOCK=next_pow2(max(kw["max_new"], 1)),
         WINDOWED=kw["read_window"] is not None,
-        CBLOCK=next_pow2(C) if C <= RING_GATHER_MAX_COLUMNS else 0,
         num_warps=num_warps or warps_for(blk),
     )
     return (B, max(1, -(-out_w // blk))), args, meta

@@ -5,15 +5,13 @@ the row's export gives), built here from the same random rows. Rings hold random
 garbage outside every live span (a kernel that reads past a span returns it), spans
 hold released (-1) holes, batch rows pick table rows in any order, outputs are poisoned.
 Both the torch reference of the ring form and its Triton kernel (interpreted on CPU,
-compiled on CUDA) must equal the oracle, windowed or not, whether the kernel holds each
-ring row in registers (a narrow ring, the usual case) or reads it entry by entry.
+compiled on CUDA) must equal the oracle, windowed or not.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tensorrt_llm_draftkv.kernels import spec_tail_kernels
 from tensorrt_llm_draftkv.kernels import (
     PagedLatentPrep,
     prepare_paged_latent,
@@ -22,13 +20,6 @@ from tensorrt_llm_draftkv.kernels import (
 )
 
 P, BS, MAX_NEW = 8, 5, 6
-
-
-@pytest.fixture(params=["row in registers", "entry by entry"])
-def ring_read(request, monkeypatch):
-    """Both ways the kernel reads a ring row (the test rings are 12 columns wide)."""
-    monkeypatch.setattr(spec_tail_kernels, "RING_GATHER_MAX_COLUMNS", 1024 if request.param == "row in registers" else 0)
-    return request.param
 
 
 def random_step(seed: int, *, R: int = 7, B: int = 5, C: int = 12, device: str = "cpu"):
@@ -99,12 +90,12 @@ def run_case(seed: int, window, impl, device: str = "cpu", max_ctx: int | None =
 @pytest.mark.parametrize("window", [None, 16, 40])
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 @pytest.mark.parametrize("seed", range(8))
-def test_ring_form_equals_the_two_step_form_on_the_decoded_rows(seed, impl, window, ring_read):
+def test_ring_form_equals_the_two_step_form_on_the_decoded_rows(seed, impl, window):
     run_case(seed, window, impl)
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
-def test_ring_form_clamps_stores_at_max_ctx(impl, ring_read):
+def test_ring_form_clamps_stores_at_max_ctx(impl):
     for seed in range(4):
         run_case(100 + seed, 24, impl, max_ctx=60)
 
@@ -129,5 +120,5 @@ def test_ring_form_refuses_bad_arguments_before_writing():
 @pytest.mark.cuda
 @pytest.mark.parametrize("window", [None, 16])
 @pytest.mark.parametrize("seed", range(4))
-def test_ring_form_on_cuda(seed, window, ring_read):
+def test_ring_form_on_cuda(seed, window):
     run_case(seed, window, None, device="cuda")
