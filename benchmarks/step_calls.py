@@ -4,7 +4,9 @@
 steps change no page and a few (every request crossing a page at once) cost ten times more, and on a
 GPU a phase's cost is largely its device calls (several µs of host time each). This prints, per case:
 
-* each of `--steps` consecutive steps, phase by phase (host µs; the draft_step phases);
+* each of `--steps` consecutive steps, phase by phase (host µs; the draft_step phases), and
+  `(sync)`: how much of `gen prep` was the device sync after it (waiting for the step's queued device
+  work, on CUDA; 0 on the CPU);
 * per phase, the torch operators and CUDA runtime calls (`cudaLaunchKernel`, `cudaMemcpyAsync`,
   `cudaEventRecord`, ...) per step, from `torch.profiler` over 11 steps (a lockstep page cycle).
 
@@ -29,12 +31,17 @@ from benchmarks import draft_step as d  # noqa: E402
 PROFILED_STEPS = 11
 
 
-def _phases(s, n: int, device: str):
-    """The draft step's phases as (name, callable), in order (the executor's token append between)."""
+def _phases(s, n: int, device: str, waits: list[float] | None = None):
+    """The draft step's phases as (name, callable), in order (the executor's token append between).
+    `waits`: each generation preparation's device sync is appended to it (µs): the part of that
+    phase spent waiting for the device to finish the step's queued work, not running host code."""
     def gen_prep() -> None:
         s.worker._advance_ctx_len([d.ACCEPTED] * n)
         if device == "cuda":
+            t = time.perf_counter()
             torch.cuda.synchronize()
+            if waits is not None:
+                waits.append((time.perf_counter() - t) * 1e6)
         s.worker.finish_step()
 
     def meta() -> None:
@@ -61,12 +68,14 @@ def _append_tokens(s) -> None:
 
 
 def run_case(batch: int, prompt: int, staggered: bool, device: str, steps: int) -> dict:
-    """Per-step phase µs (a list of dicts) and per-phase call counts per step (a dict of Counters)."""
+    """Per-step phase µs (a list of dicts), the sync inside each step's `gen prep` (µs, a list) and
+    per-phase call counts per step (a dict of Counters)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     s = d.build(batch, prompt, device, staggered)
     n = len(s.ids)
-    phases = _phases(s, n, device)
+    waits: list[float] = []
+    phases = _phases(s, n, device, waits)
     for _ in range(d.WARMUP):
         d.step(s, None)
     gc.collect()
@@ -101,7 +110,8 @@ def run_case(batch: int, prompt: int, staggered: bool, device: str, steps: int) 
             if start <= e.time_range.start <= end:
                 calls[name][e.name] += 1
                 break
-    return {"per_step": per_step, "calls": calls}
+    sync = waits[:steps] if device == "cuda" else [0.0] * steps  # the timed steps' syncs, in order
+    return {"per_step": per_step, "sync": sync, "calls": calls}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         got = run_case(batch, prompt, bool(staggered), args.device, args.steps)
         print(f"== device {args.device}, B {batch}, prompt {prompt}, {'staggered' if staggered else 'lockstep'}:"
               " host µs per step, phase by phase")
-        print(" ".join(f"{p:>12}" for p in names) + f" {'step':>8}")
-        for row in got["per_step"]:
-            print(" ".join(f"{row[p]:>12.0f}" for p in names) + f" {sum(row.values()):>8.0f}")
+        print(" ".join(f"{p:>12}" for p in names) + f" {'step':>8} {'(sync)':>8}")
+        for row, sync in zip(got["per_step"], got["sync"]):
+            print(" ".join(f"{row[p]:>12.0f}" for p in names) + f" {sum(row.values()):>8.0f} {sync:>8.0f}")
         print(f"calls per step by phase (mean over {PROFILED_STEPS} profiled steps)")
         for p in names:
             for call, count in sorted(got["calls"][p].items(), key=lambda kv: -kv[1]):
