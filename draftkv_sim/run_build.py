@@ -72,7 +72,6 @@ def build_executor(
     the draft manager's `joint_kv_cache_reuse` and `pair_joint_reuse`; either way a fresh prompt waits for
     an earlier one's prefill to finish (`SchedulerConfig.serial_prefill`), so its lookup sees every page.
     """
-    reuse = setup.block_reuse != "off"
     joint = setup.block_reuse == "joint" and sizing is not None
     target = _target_manager(setup)
     model = TinyTarget(TinyTargetConfig(vocab_size=setup.vocab_size, dim=setup.target_dim), target)

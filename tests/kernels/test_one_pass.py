@@ -163,7 +163,7 @@ def test_one_pass_matches_reference_and_two_step(backend, dtype, pool, divisor):
 @pytest.mark.parametrize("split", [1, 2])
 def test_one_pass_released_low_entries_and_bases(split):
     """Hand-made rows: released low entries (-1 / page 0), base past the last backed entry, empty row."""
-    P, M = 4, 6
+    P = 4
     rows = [
         [-1, -1, 5, 7, -1, -1],  # released low entries: extent 4
         [3, 4, -1, -1, -1, -1],  # backed only below the base (base 3): extent 2, nothing to read

@@ -423,7 +423,7 @@ def test_prepare_triton_matches_reference(case):
 
 def test_prepare_triton_targeted_edges():
     """Hand-made rows: empty row, released low entries, base beyond extent, clamping."""
-    P, M = 4, 6
+    P = 4
     tables = torch.tensor(
         [
             [-1, -1, -1, -1, -1, -1],  # empty row

@@ -12,7 +12,6 @@ from tensorrt_llm_draftkv import (
     KVPoolConfig,
     LayerGroupConfig,
     LlmRequest,
-    LlmRequestState,
     ScheduledRequests,
     SpeculativeDecodingMode,
 )

@@ -443,7 +443,6 @@ def test_a_joint_hit_checks_the_drafters_window_with_its_trail_page():
     a 31-token prompt prefilled in chunks of 16. The draft pool then has ordinals 5 and 6 published
     but not 4 (released at history 31 before it was published), so the unwidened window (8 tokens,
     ordinals >= 5 at a 28-token hit) would accept 28 and read ordinal 4 through the trail page."""
-    from tensorrt_llm_draftkv.manager import prefix_reuse
     from tensorrt_llm_draftkv.runtime.prefix_cache import longest_valid_prefix
 
     target = KVCacheManagerV2.from_pool_config(config(groups=((None, 0),)), max_draft_len=2)

@@ -57,7 +57,7 @@ from tensorrt_llm_draftkv import (
     ScheduledRequests,
     SpeculativeDecodingMode,
 )
-from tensorrt_llm_draftkv.manager import budget, rules
+from tensorrt_llm_draftkv.manager import rules
 from tensorrt_llm_draftkv.manager.rules import step_headroom
 from tensorrt_llm_draftkv.manager.budget import (
     bytes_per_page,

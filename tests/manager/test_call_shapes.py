@@ -278,7 +278,7 @@ def test_prepare_resource_false_reserves_nothing_in_either_manager():
 
 @pytest.mark.parametrize("sizing", ["history", "legacy"])
 def test_the_draft_manager_gets_the_same_dummies(sizing):
-    p, window, tokens, drafts = 4, 8, 40, 2
+    window, tokens, drafts = 8, 40, 2
     target = make_target(draft=drafts, extra=1, window=window)
     draft = make_draft("dflash", sizing, draft=drafts, window=window)
     made = target.add_dummy_requests([7, 8], [tokens, tokens], True, False, True, drafts,
@@ -474,7 +474,7 @@ def test_dtype_strings():
 # One executor step written the upstream way
 # =============================================================================================
 def test_an_upstream_style_executor_step():
-    drafts, p = 2, 4
+    drafts = 2
     target = make_target(draft=drafts, extra=1, window=8)
     draft = make_draft("dflash", "history", draft=drafts, window=8)
     width = target.config.max_blocks_per_seq

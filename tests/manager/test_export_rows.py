@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorrt_llm_draftkv import KVCacheManagerV2, KVPoolConfig, LayerGroupConfig, LlmRequest
+from tensorrt_llm_draftkv import KVCacheManagerV2, KVPoolConfig, LayerGroupConfig
 from tensorrt_llm_draftkv.kernels import decode_draft_block_table_reference
 from tensorrt_llm_draftkv.manager import KVCacheResizeError
 

@@ -18,7 +18,6 @@ from draftkv_sim import RunSpec
 from draftkv_sim.disagg import run_disaggregated
 from draftkv_sim.disagg_link import PageLink, admit_next, send_facts
 from draftkv_sim.disagg_pages import ContextFacts, PageHandshake, check_handshake, pack_aux, rank_memory
-from draftkv_sim.disagg_transfer import transfer_from
 from draftkv_sim.disagg_wire import Offer, Transfer, clipped_ranges
 from draftkv_sim.run_build import build_rank, run_prompts, target_only_outputs, warmup_tokens
 from draftkv_sim.scenario import prompt_seeds

@@ -17,7 +17,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from draftkv_sim import DraftLoop, phrase_stream
 

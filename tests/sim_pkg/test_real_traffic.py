@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from tensorrt_llm_draftkv import (
     DFlashDraftSlots,
@@ -33,7 +32,7 @@ from tensorrt_llm_draftkv.manager.rules import MirrorSizing
 from tensorrt_llm_draftkv.request import ContextView
 from tensorrt_llm_draftkv.runtime import BAD_PAGE_INDEX
 from tensorrt_llm_draftkv.speculative.handoff import DrafterHandoff
-from draftkv_sim import DraftLoop, phrase_stream
+from draftkv_sim import DraftLoop
 
 from sim_pkg.sim_support import SMALL, truth
 
