@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from operator import add
+from itertools import repeat
+from operator import add, gt
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -47,6 +48,22 @@ class Row:
     @property
     def request_id(self) -> int:
         return self.request.py_request_id
+
+
+@dataclasses.dataclass(frozen=True)
+class RowFacts:
+    """What a generation step asks of its rows, found once per list of rows (a step's rows are
+    rebuilt when they change, never edited): each row's slot, in row order, and whether the
+    batch-wide path applies (one row per slot, every row a generation row)."""
+
+    slots: list[int]
+    plain: bool
+
+
+def row_facts(rows: Sequence[Row]) -> RowFacts:
+    """The :class:`RowFacts` of these rows."""
+    row_slots = [row.slot for row in rows]
+    return RowFacts(row_slots, len(set(row_slots)) == len(row_slots) and all(row.kind == "generation" for row in rows))
 
 
 @dataclasses.dataclass
@@ -280,7 +297,7 @@ def generation_counts(num_new: Sequence[int] | Mapping[int, int] | None, request
                 f"DFlash drafter: requests {unknown} are not rows of this step (rows: {request_ids[:16]})"
             )
         return [int(num_new.get(rid, 0)) for rid in request_ids]
-    counts = [int(n) for n in num_new]
+    counts = list(map(int, num_new))
     if len(counts) != len(request_ids):
         raise ValueError(f"DFlash drafter: {len(counts)} counts for {len(request_ids)} rows")
     return counts
@@ -288,25 +305,25 @@ def generation_counts(num_new: Sequence[int] | Mapping[int, int] | None, request
 
 def _new_lengths(
     slots: SlotTable, rows: Sequence[Row], counts: list[int], max_new: int, check_room: RoomCheck,
-    room: Optional[tuple[Sequence[int], int]] = None,
+    room: Optional[tuple[Sequence[int], int]] = None, facts: Optional[RowFacts] = None,
 ) -> dict[int, int]:
     """Slot -> its ``ctx_len`` after the step (checked: only generation rows commit, room for the block).
 
     ``room``: each row's mirror capacity (tokens) and the block size, when the caller has them: the
     room is then checked over the batch at once, ``check_room`` called (to raise) only for a row
-    without it.
+    without it. ``facts``: the rows' :class:`RowFacts`, when the caller keeps them.
     """
     lengths, limit = slots.ctx_len_host, slots.store_limit()  # once, not per row
-    row_slots = [row.slot for row in rows]
-    if (room is not None and (not counts or (min(counts) >= 0 and max(counts) <= max_new))
-            and len(set(row_slots)) == len(row_slots) and all(row.kind == "generation" for row in rows)):
+    facts = facts if facts is not None else row_facts(rows)
+    if room is not None and facts.plain and (not counts or (min(counts) >= 0 and max(counts) <= max_new)):
         # The usual generation step, batch-wide: valid counts, one row per slot, generation rows only.
-        new = [n if n < limit else limit for n in map(add, map(lengths.__getitem__, row_slots), counts)]
+        new = [n if n < limit else limit for n in map(add, map(lengths.__getitem__, facts.slots), counts)]
         capacities, block_size = room
-        for row, n, cap in zip(rows, new, capacities):
-            if n + block_size > cap and row.proposing:
-                check_room(row, n)  # raises, naming the request and the numbers
-        return dict(zip(row_slots, new))
+        if any(map(gt, map(add, new, repeat(block_size)), capacities)):  # some block past its mirror's room
+            for row, n, cap in zip(rows, new, capacities):
+                if n + block_size > cap and row.proposing:
+                    check_room(row, n)  # raises, naming the request and the numbers
+        return dict(zip(facts.slots, new))
     new_host: dict[int, int] = {}
     for row, n in zip(rows, counts):
         if n and row.kind != "generation":
@@ -339,6 +356,7 @@ def prepare_generation(
     read_windows: Optional[Sequence[Optional[int]]] = None,
     buffers: Optional[StepBuffers] = None,
     capacities: Optional[Sequence[int]] = None,
+    facts: Optional[RowFacts] = None,
 ) -> list[PagedLatentPrep]:
     """One :class:`PagedLatentPrep` per pool; advances every row's slot to ``min(L + n, limit)``.
 
@@ -350,10 +368,12 @@ def prepare_generation(
     form's outputs kept in place, its launches bound to them (a preparation is then valid
     until the next step's). ``capacities``: each row's mirror capacity (tokens), when known, so
     the room for each row's block is checked over the batch at once (else ``check_room`` per row).
+    ``facts``: the rows' :class:`RowFacts`, when the caller keeps them with the rows.
     """
     room = None if capacities is None else (capacities, block_size)
-    new_host = _new_lengths(slots, rows, counts, max_new, check_room, room)
-    consumed = dict(zip([row.slot for row in rows], counts))
+    facts = facts if facts is not None else row_facts(rows)
+    new_host = _new_lengths(slots, rows, counts, max_new, check_room, room, facts)
+    consumed = dict(zip(facts.slots, counts))
     slots.raise_bases(new_host)
     n_t = buffers.num_new(counts) if buffers is not None else torch.tensor(counts, dtype=torch.int64,
                                                                           device=slots.device)
@@ -389,6 +409,7 @@ __all__ = [
     "ContextStorePlan",
     "RingStepTables",
     "Row",
+    "RowFacts",
     "StepTables",
     "check_block_room",
     "check_pool",
@@ -398,4 +419,5 @@ __all__ = [
     "prepare_generation",
     "read_windows",
     "required_extra_kv_tokens",
+    "row_facts",
 ]

@@ -125,6 +125,7 @@ class DFlashDraftSlots:
         self._last_step: Optional[tuple] = None
         self._rows_version = -1  # the slot table's version when `rows` were made
         self._row_ids: Optional[tuple[list[Row], list[int]]] = None  # (rows, their request ids)
+        self._row_facts: Optional[tuple[list[Row], addressing.RowFacts]] = None  # (rows, their RowFacts)
         self.seeds: dict[int, SlotStart] = {}  # request id -> start given by the last prepare_step()
         if draft_manager is not None:
             self.check_pool(draft_manager)
@@ -136,6 +137,12 @@ class DFlashDraftSlots:
         if self._row_ids is None or self._row_ids[0] is not self.rows:
             self._row_ids = (self.rows, [r.request_id for r in self.rows])
         return self._row_ids[1]
+
+    def _facts(self) -> addressing.RowFacts:
+        """The rows' slots and kinds as a generation step asks them, kept with the rows (as `request_ids`)."""
+        if self._row_facts is None or self._row_facts[0] is not self.rows:
+            self._row_facts = (self.rows, addressing.row_facts(self.rows))
+        return self._row_facts[1]
 
     @property
     def num_rows(self) -> int:
@@ -361,7 +368,7 @@ class DFlashDraftSlots:
             self.slots, self.rows, self.tables, self.slot_ids, counts, block_size=self.block_size,
             max_new=self.max_new_tokens, fused=self.fused, check_room=self._check_room,
             read_windows=addressing.read_windows(self.draft_manager, self.read_bound), buffers=self.buffers,
-            capacities=self._mirror_capacities(),
+            capacities=self._mirror_capacities(), facts=self._facts(),
         )
         return self._prep
 
