@@ -66,6 +66,27 @@ def test_a_stager_never_rewrites_a_slot_a_queued_copy_has_yet_to_read_cuda():
 
 
 @pytest.mark.cuda
+def test_a_stager_waits_for_the_side_stream_its_copies_ran_on_cuda():
+    """The first claim's copy is queued on a busy side stream; every later claim is made on an idle
+    stream. Leaving the first part must record its event on the busy stream (the one that claimed
+    from it), so the fifth claim, which comes back to that part, waits for that copy before it
+    writes the part again."""
+    stager = PinnedStager("cuda:0", capacity=64)  # parts of 16 slots: each claim of 12 starts a part
+    out = torch.full((8, 12), -1, dtype=torch.int64, device="cuda")
+    busy, idle = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s queued before the busy stream's copy
+    for i in range(8):
+        with torch.cuda.stream(busy if i == 0 else idle):
+            out[i].copy_(staged(list(range(i * 100, i * 100 + 12)), "cuda", stager), non_blocking=True)
+    torch.cuda.synchronize()
+    want = torch.arange(12, device="cuda") + 100 * torch.arange(8, device="cuda")[:, None]
+    assert torch.equal(out, want)
+    assert stager.turns == 7
+
+
+@pytest.mark.cuda
 def test_a_stager_stays_out_of_a_captured_graph_and_of_large_claims_cuda():
     stager = PinnedStager("cuda", capacity=64)
     host, _ = stager.claim(17)  # over one part: memory of its own
