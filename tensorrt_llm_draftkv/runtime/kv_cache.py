@@ -72,6 +72,7 @@ class KVCache:
         self.changes = ChangeLog(self)
         #: Groups whose settled mark follows history at every cursor move (full attention).
         self._full_groups = tuple(g for g, group in enumerate(groups) if group.life_cycle.window is None)
+        self._life_cycles = tuple(group.life_cycle for group in groups)
         self._cursor_range: CursorRange | None = None
 
     # -- queries ----------------------------------------------------------------
@@ -198,9 +199,9 @@ class KVCache:
         cached = self._cursor_range
         if cached is None or cached.version != self.version:
             above, top, history_max = (0, -1, -1) if self.closed else cursor_range(
-                [len(row) for row in self._rows], self._settled, [g.life_cycle for g in self.groups],
-                self.tokens_per_block)
-            cached = self._cursor_range = CursorRange(above, top, history_max, self.version)
+                [len(row) for row in self._rows], self._settled, self._life_cycles, self.tokens_per_block)
+            # tuple.__new__: the NamedTuple's own constructor is a third of this, run after every page crossing
+            cached = self._cursor_range = tuple.__new__(CursorRange, (above, top, history_max, self.version))
         return cached
 
     def _moves_only_cursors(self, capacity: int, history: int) -> bool:

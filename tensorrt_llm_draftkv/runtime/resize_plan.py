@@ -120,6 +120,11 @@ def cursor_range(
     Rows of different lengths admit no size: `(0, -1, -1)`.
     """
     P = tokens_per_block
+    if len(row_lengths) == 1:  # one layer group, a draft pool's usual shape: no set, no loop
+        n, life_cycle = row_lengths[0], life_cycles[0]
+        window = life_cycle.window
+        mark = settled[0] if settled[0] > life_cycle.sink_blocks else life_cycle.sink_blocks
+        return (n - 1) * P, n * P, (1 << 62) if window is None else (mark + 1) * P + window - 2
     lengths = set(row_lengths)
     if len(lengths) != 1:
         return 0, -1, -1

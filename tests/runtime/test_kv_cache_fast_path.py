@@ -16,12 +16,13 @@ from tensorrt_llm_draftkv.runtime import KVCache, LayerGroup, LifeCycle, PagePoo
 P = 4
 
 
-def _cache(window: int | None = 8, sinks: int = 0):
+def _cache(window: int | None = 8, sinks: int = 0, *, full_group: bool = True):
+    """A cache with a group of this life cycle and, with `full_group`, a full-attention group beside it."""
     events: list[tuple[str, list[int]]] = []
     groups = [
         LayerGroup(LifeCycle(window, sinks), PagePool(64, tokens_per_block=P, num_layers=1, head_dim=2)),
         LayerGroup(LifeCycle(None), PagePool(64, tokens_per_block=P, num_layers=1, head_dim=2)),
-    ]
+    ][: 2 if full_group else 1]
     for g in groups:
         g.pool.add_listener(lambda kind, pages, owner: events.append((kind, list(pages))))
     return KVCache(groups, P, name="r"), events
@@ -95,11 +96,13 @@ def _rows_stay(cache: KVCache, capacity: int, history: int) -> bool:
     sinks=st.integers(0, 2),
     walk=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9)), min_size=1, max_size=25),
     probes=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), min_size=1, max_size=12),
+    full_group=st.booleans(),
 )
-def test_cursor_range_is_exactly_the_sizes_that_move_only_cursors(window, sinks, walk, probes):
+def test_cursor_range_is_exactly_the_sizes_that_move_only_cursors(window, sinks, walk, probes, full_group):
     """After any walk of resizes (growth, window releases, rollbacks), a size lies inside `cursor_range()`
-    exactly when no row would change (`_rows_stay`); a cached range follows every row change (version)."""
-    cache, _ = _cache(window, sinks)
+    exactly when no row would change (`_rows_stay`); a cached range follows every row change (version).
+    With one group (a draft pool's usual shape) and with a full-attention group beside it."""
+    cache, _ = _cache(window, sinks, full_group=full_group)
     history = 0
     for grow, advance in walk:
         history += advance
