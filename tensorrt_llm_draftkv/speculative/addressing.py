@@ -52,10 +52,11 @@ class Row:
 
 @dataclasses.dataclass(frozen=True)
 class RowFacts:
-    """What a generation step asks of its rows, found once per list of rows (a step's rows are
-    rebuilt when they change, never edited): each row's slot, in row order, and whether the
-    batch-wide path applies (one row per slot, every row a generation row)."""
+    """What a step asks of its rows, found once per list of rows (a step's rows are rebuilt when
+    they change, never edited): each row's request id and slot, in row order, and whether the
+    batch-wide generation path applies (one row per slot, every row a generation row)."""
 
+    request_ids: list[int]
     slots: list[int]
     plain: bool
 
@@ -63,7 +64,8 @@ class RowFacts:
 def row_facts(rows: Sequence[Row]) -> RowFacts:
     """The :class:`RowFacts` of these rows."""
     row_slots = [row.slot for row in rows]
-    return RowFacts(row_slots, len(set(row_slots)) == len(row_slots) and all(row.kind == "generation" for row in rows))
+    plain = len(set(row_slots)) == len(row_slots) and all(row.kind == "generation" for row in rows)
+    return RowFacts([row.request_id for row in rows], row_slots, plain)
 
 
 @dataclasses.dataclass

@@ -124,7 +124,6 @@ class DFlashDraftSlots:
         #: (requests, pool, slot-table version) of the last generation-only step, for `_repeats_last_step`
         self._last_step: Optional[tuple] = None
         self._rows_version = -1  # the slot table's version when `rows` were made
-        self._row_ids: Optional[tuple[list[Row], list[int]]] = None  # (rows, their request ids)
         self._row_facts: Optional[tuple[list[Row], addressing.RowFacts]] = None  # (rows, their RowFacts)
         self.seeds: dict[int, SlotStart] = {}  # request id -> start given by the last prepare_step()
         if draft_manager is not None:
@@ -134,12 +133,10 @@ class DFlashDraftSlots:
     @property
     def request_ids(self) -> list[int]:
         """The rows' request ids, in row order (kept with the rows: read it, do not change it)."""
-        if self._row_ids is None or self._row_ids[0] is not self.rows:
-            self._row_ids = (self.rows, [r.request_id for r in self.rows])
-        return self._row_ids[1]
+        return self._facts().request_ids
 
     def _facts(self) -> addressing.RowFacts:
-        """The rows' slots and kinds as a generation step asks them, kept with the rows (as `request_ids`)."""
+        """The rows' request ids, slots and kinds, worked out once per list of rows."""
         if self._row_facts is None or self._row_facts[0] is not self.rows:
             self._row_facts = (self.rows, addressing.row_facts(self.rows))
         return self._row_facts[1]
