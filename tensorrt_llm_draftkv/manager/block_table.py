@@ -257,9 +257,16 @@ class DeviceBlockTable:
         return TableDelta(set().union(*(d.whole for d in kept)), [e for d in kept for e in d.entries], len(kept))
 
     def _take_logs(self) -> list[tuple[list[int], list[int], list[int]]]:
-        """Every dirty cache's log, drained, its row's first/extent settled (`_take_log`): per pool the
-        (table row, ordinal, page) entries in log order (page BAD_PAGE_INDEX: unbacked)."""
+        """Every dirty cache's log, drained, its row's first/extent settled: per pool the (table row,
+        ordinal, page) entries in log order (page BAD_PAGE_INDEX: unbacked).
+
+        A log of one entry (a generation step's page crossing) is settled with the other such logs of
+        its pool in one numpy pass (`_settle_crossings`); any other log, or a crossing that pass cannot
+        place, settles its row alone (`_take_log`)."""
         logged: list[tuple[list[int], list[int], list[int]]] = [([], [], []) for _ in self._pools]
+        # per pool, the one-entry logs: (table rows, ordinals, backed now?, caches)
+        crossings: list[tuple[list[int], list[int], list[bool], list[KVCache]]] = [([], [], [], []) for _ in self._pools]
+        others: list[tuple[int, KVCache, list]] = []
         row_of, rid_of = self._row_of, self._rid_of
         for cache in self._dirty:
             changes = cache.changes.drain()
@@ -272,9 +279,49 @@ class DeviceBlockTable:
                 rows += [r] * k
                 ords += ordinals
                 values += [BAD_PAGE_INDEX] * k if pages is None else pages
-            self._take_log(r, cache, changes)
+            if len(changes) == 1 and len(changes[0][1]) == 1:
+                g, ordinals, pages = changes[0]
+                rows, ords, backed, owners = crossings[g]
+                rows.append(r)
+                ords.append(ordinals[0])
+                backed.append(pages is not None and pages[0] != BAD_PAGE_INDEX)
+                owners.append(cache)
+            else:
+                others.append((r, cache, changes))
         self._dirty.clear()
+        for g, (rows, ords, backed, owners) in enumerate(crossings):
+            if rows:
+                for i in self._settle_crossings(g, rows, ords, backed):
+                    self._settle_span(rows[i], owners[i], g, (ords[i],) if backed[i] else ())
+        for r, cache, changes in others:
+            self._take_log(r, cache, changes)
         return logged
+
+    def _settle_crossings(self, g: int, rows: list[int], ordinals: list[int], backed: list[bool]) -> list[int]:
+        """First/extent in pool g of rows whose log holds one entry each (distinct table rows; block
+        ordinals), from the ring alone: a page taken at the row's end moves its extent up by one, a page
+        given back at its start moves its first to the next ordinal when the ring holds that one backed.
+        Returns the indices of the entries this cannot place (the caller settles those rows from their
+        caches); their first/extent are left as they were."""
+        pool = self._pools[g]
+        r = np.array(rows, dtype=np.int64)
+        o = np.array(ordinals, dtype=np.int64)
+        b = np.array(backed, dtype=bool)
+        first, extent = pool.first[r], pool.extent[r]
+        C = pool.host.shape[1]
+        live = extent > first  # an empty row's first is its length: the cache knows it, not the ring
+        grown = b & live & (o == extent) & (o + 1 - first <= C)
+        # Inside the old span the ring is the row as it was, and only `o` changed: the next ordinal's
+        # column says whether it is still backed.
+        slid = ~b & live & (o == first) & (o + 1 < extent)
+        slid &= pool.host[r, (o + 1) % C] != BAD_PAGE_INDEX
+        if grown.any():
+            pool.extent[r[grown]] = o[grown] + 1
+            pool.scalars_dirty = True
+        if slid.any():
+            pool.first[r[slid]] = o[slid] + 1
+            pool.scalars_dirty = True
+        return np.flatnonzero(~(grown | slid)).tolist()
 
     def _take_log(self, r: int, cache: KVCache, changes: list) -> None:
         """Row r's first/extent brought up to date from its drained log and its cache (a row outgrowing

@@ -22,10 +22,13 @@ from tensorrt_llm_draftkv.manager.block_table import DeviceBlockTable
 P = 4
 
 
-def _manager(window: int = 12, sinks: int = 1, pages: tuple[int, int] = (24, 40), device: str = "cpu") -> KVCacheManagerV2:
+def _manager(window: int = 12, sinks: int = 1, pages: tuple[int, int] = (24, 40), device: str = "cpu",
+             *, one_group: bool = False) -> KVCacheManagerV2:
+    """A windowed group and a full-attention one (`one_group`: the windowed one alone, as a draft pool)."""
+    groups = (LayerGroupConfig(1, window=window, sink_blocks=sinks), LayerGroupConfig(1, window=None))
     config = KVPoolConfig(
-        layer_groups=(LayerGroupConfig(1, window=window, sink_blocks=sinks), LayerGroupConfig(1, window=None)),
-        pages_per_group=pages, tokens_per_block=P, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+        layer_groups=groups[:1] if one_group else groups, pages_per_group=pages[:1] if one_group else pages,
+        tokens_per_block=P, num_kv_heads=1, head_dim=2, dtype=torch.float32,
         max_seq_len=60 * P, device=device,
     )
     return KVCacheManagerV2.from_pool_config(config)
@@ -46,10 +49,11 @@ def check_rows(table: DeviceBlockTable, mgr: KVCacheManagerV2, ids: list[int]) -
 
 class RingFollowsRows(RuleBasedStateMachine):
     sinks = 1  # sink blocks of the windowed group (with one, its first backed ordinal never moves)
+    one_group = False  # the windowed group alone: a page crossing logs one entry
 
     def __init__(self) -> None:
         super().__init__()
-        self.mgr = _manager(sinks=self.sinks)
+        self.mgr = _manager(sinks=self.sinks, one_group=self.one_group)
         self.table = DeviceBlockTable(self.mgr.num_pools, "cpu", rows=1, width=1)
         self.next_id = 0
 
@@ -73,6 +77,15 @@ class RingFollowsRows(RuleBasedStateMachine):
         cache = self.mgr.get_cache(rid)
         history = min(cache.history_length + advance, cache.capacity + grow)
         cache.resize(max(cache.capacity, history) + grow, history)  # False (out of pages) changes nothing
+
+    @rule(accepted=st.integers(1, 3), headroom=st.integers(1, 3))
+    def generation_step(self, accepted: int, headroom: int) -> None:
+        """Every live request moves on by a few tokens, as a generation step does: most rows change no
+        page, some take one at their end, some give their oldest back (one-entry logs)."""
+        for rid in self.live():
+            cache = self.mgr.get_cache(rid)
+            history = min(cache.history_length + accepted, cache.capacity)
+            cache.resize(max(cache.capacity, history + headroom), history)
 
     @rule(picks=st.lists(st.integers(0, 1000), min_size=1, max_size=3), grow=st.integers(1, 30))
     def rolled_back_batch(self, picks: list[int], grow: int) -> None:
@@ -175,9 +188,45 @@ class RingFollowsRowsInNumpy(RingFollowsSlidingRowsInNumpy):
     sinks = 1
 
 
-for _machine in (RingFollowsSlidingRows, RingFollowsSlidingRowsInNumpy, RingFollowsRowsInNumpy):
+class RingFollowsOneGroupSlidingRows(RingFollowsSlidingRows):
+    """A draft pool's shape: one windowed group, so a generation step's page crossing logs one entry
+    per row and the sync settles those rows together (`DeviceBlockTable._settle_crossings`)."""
+
+    one_group = True
+
+
+class RingFollowsOneGroupRows(RingFollowsOneGroupSlidingRows):
+    """The same with a sink block: the window gives back ordinals above the row's first one."""
+
+    sinks = 1
+
+
+for _machine in (RingFollowsSlidingRows, RingFollowsSlidingRowsInNumpy, RingFollowsRowsInNumpy,
+                 RingFollowsOneGroupSlidingRows, RingFollowsOneGroupRows):
     globals()["Test" + _machine.__name__] = _machine.TestCase
     _machine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+def test_a_row_growing_a_page_a_step_past_its_ring_re_lays_it_out():
+    """Full attention grows a row one page per crossing (one-entry logs, settled in one numpy pass): the
+    step whose span passes the ring's width re-lays the ring out, and every step's row reads back whole."""
+    config = KVPoolConfig(  # one group, as a draft pool: each crossing's log is one entry
+        layer_groups=(LayerGroupConfig(1, window=None),), pages_per_group=(40,), tokens_per_block=P,
+        num_kv_heads=1, head_dim=2, dtype=torch.float32, max_seq_len=60 * P, device="cpu",
+    )
+    mgr = KVCacheManagerV2.from_pool_config(config)
+    table = DeviceBlockTable(mgr.num_pools, "cpu", rows=1, width=1)
+    cache = mgr.caches.new(3)
+    assert cache.resize(2 * P, P)  # two pages; the first sync lays the ring out 4 wide
+    mgr.caches[3] = cache
+    table.sync([3], [cache])
+    widths = [table.width(0)]
+    for tokens in range(2 * P + 1, 20 * P, P):
+        assert cache.resize(tokens, tokens - 1)  # one new page
+        table.sync([3], [cache])
+        check_rows(table, mgr, [3])
+        widths.append(table.width(0))
+    assert widths[0] < widths[-1]  # the span outgrew the ring along the way
 
 
 def test_a_generation_step_writes_only_what_its_resize_changed():
