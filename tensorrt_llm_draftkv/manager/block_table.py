@@ -302,26 +302,33 @@ class DeviceBlockTable:
         ordinals), from the ring alone: a page taken at the row's end moves its extent up by one, a page
         given back at its start moves its first to the next ordinal when the ring holds that one backed.
         Returns the indices of the entries this cannot place (the caller settles those rows from their
-        caches); their first/extent are left as they were."""
+        caches); their first/extent are left as they were.
+
+        One short loop over plain ints: a few dozen numpy calls for the same work cost more inside a
+        step, whose other work has pushed numpy's code out of the processor's caches."""
         pool = self._pools[g]
-        r = np.array(rows, dtype=np.int64)
-        o = np.array(ordinals, dtype=np.int64)
-        b = np.array(backed, dtype=bool)
-        first, extent = pool.first[r], pool.extent[r]
-        C = pool.host.shape[1]
-        live = extent > first  # an empty row's first is its length: the cache knows it, not the ring
-        grown = b & live & (o == extent) & (o + 1 - first <= C)
-        # Inside the old span the ring is the row as it was, and only `o` changed: the next ordinal's
-        # column says whether it is still backed.
-        slid = ~b & live & (o == first) & (o + 1 < extent)
-        slid &= pool.host[r, (o + 1) % C] != BAD_PAGE_INDEX
-        if grown.any():
-            pool.extent[r[grown]] = o[grown] + 1
+        first_of, extent_of, host = pool.first, pool.extent, pool.host
+        C = host.shape[1]
+        left: list[int] = []
+        moved = False
+        for i, (r, o, b) in enumerate(zip(rows, ordinals, backed)):
+            first, extent = first_of.item(r), extent_of.item(r)
+            if extent > first:  # an empty row's first is its length: the cache knows it, not the ring
+                if b:
+                    if o == extent and o + 1 - first <= C:  # wider than the ring: re-laid out by the caller
+                        extent_of[r] = o + 1
+                        moved = True
+                        continue
+                # Inside the old span the ring is the row as it was, and only `o` changed: the next
+                # ordinal's column says whether it is still backed.
+                elif o == first and o + 1 < extent and host.item(r, (o + 1) % C) != BAD_PAGE_INDEX:
+                    first_of[r] = o + 1
+                    moved = True
+                    continue
+            left.append(i)
+        if moved:
             pool.scalars_dirty = True
-        if slid.any():
-            pool.first[r[slid]] = o[slid] + 1
-            pool.scalars_dirty = True
-        return np.flatnonzero(~(grown | slid)).tolist()
+        return left
 
     def _take_log(self, r: int, cache: KVCache, changes: list) -> None:
         """Row r's first/extent brought up to date from its drained log and its cache (a row outgrowing
