@@ -522,13 +522,15 @@ def test_an_entry_changed_by_two_syncs_before_a_write_lands_as_its_last_change(s
 
 
 @pytest.mark.cuda
-def test_the_device_table_and_a_kept_destination_follow_many_steps_cuda():
+@pytest.mark.parametrize("one_group", [False, True], ids=["two-groups", "one-group"])
+def test_the_device_table_and_a_kept_destination_follow_many_steps_cuda(one_group):
     """On the GPU, where every push and every single-entry write goes through a kept pinned arena reused
     many times over: after each of 300 random steps of sliding rows (window without sinks, and a full
-    group) the device ring equals the host mirror and the kept destination equals a fresh export."""
+    group; or the window alone, whose crossings the sync settles from the ring) the device ring equals
+    the host mirror and the kept destination equals a fresh export."""
     rng = np.random.default_rng(7)
-    mgr = _manager(window=12, sinks=0, pages=(80, 160), device="cuda")
-    dst = torch.full((2, 6, 2, 40), -9, dtype=torch.int32, device="cuda")
+    mgr = _manager(window=12, sinks=0, pages=(80, 160), device="cuda", one_group=one_group)
+    dst = torch.full((mgr.num_pools, 6, 2, 40), -9, dtype=torch.int32, device="cuda")
     for rid in range(6):
         cache = mgr.caches.new(rid)
         assert cache.resize(int(rng.integers(1, 40)), 0)
@@ -553,6 +555,6 @@ def test_the_device_table_and_a_kept_destination_follow_many_steps_cuda():
         mgr.copy_batch_block_offsets(dst, ids, 1, 0, len(ids), max_blocks=40)
         assert torch.equal(dst.cpu(), mgr.get_block_offsets(ids, "cpp", width=40)), step
         for rid in ids:
-            for g in range(2):
+            for g in range(mgr.num_pools):
                 assert np.array_equal(table.device_row(g, rid), table.host_row(g, rid)[2]), (step, rid, g)
     assert table._stager.turns > 8 and mgr.offset_destinations._stagers[dst.device].turns > 8
