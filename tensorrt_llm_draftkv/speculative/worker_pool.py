@@ -120,11 +120,14 @@ class PoolBinding:
 
     def _decode_entries(self, rows: np.ndarray, pools: np.ndarray, ordinals: np.ndarray, k_values: np.ndarray) -> None:
         """Single entries of the tables from the K offsets the manager wrote (its "cpp" offsets are never
-        negative, so the row counts stay): decoded on the host, the last write of each entry kept, then
-        per pool one staged copy and one scatter (`scatter_int32`). `src` is not read back."""
-        keep = last_of_each((pools << 56) | (rows << 36) | ordinals)
-        rows, pools, ordinals = rows[keep], pools[keep], ordinals[keep]
-        pages = np.maximum(k_values[keep], 0) // self.kv_factor
+        negative, so the row counts stay): decoded on the host, the last write of each entry kept (where
+        one repeats), then per pool one staged copy and one scatter (`scatter_int32`). `src` is not read back."""
+        key = (pools << 56) | (rows << 36) | ordinals
+        if len(set(key.tolist())) != key.size:  # one write names each entry once: only merged writes repeat
+            # (a Python set of a step's few entries costs a few µs; a sort, inside a step, ten times that)
+            keep = last_of_each(key)
+            rows, pools, ordinals, k_values = rows[keep], pools[keep], ordinals[keep], k_values[keep]
+        pages = np.maximum(k_values, 0) // self.kv_factor
         stager = self.staging()
         for p in sorted(set(pools.tolist())):
             table = self.tables[p]
