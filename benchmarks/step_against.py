@@ -9,7 +9,8 @@ and prints each phase's median over the rounds. Cases: B 64 at 131,071 and 524,2
 B 256 at 524,287, lockstep (every request crosses a page on the same step) and staggered
 (request i starts ``(11 i) mod P`` tokens earlier, so a few cross on every step).
 
-Run as ``python -m benchmarks.step_against --against PATH [--rounds 3] [--device cuda]``.
+The trees take turns going first from round to round. Run as ``python -m benchmarks.step_against
+--against PATH [--rounds 3] [--steps 40] [--device cuda]``.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ PHASES = ("mgr prepare", "offsets", "meta prepare", "refresh", "gen prep", "mgr 
 
 _CHILD = r'''
 import gc, json, sys, time
-tree, device, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+tree, device, cases, steps = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
 sys.path.insert(0, tree)
 import torch
 torch.set_num_threads(1)
@@ -62,18 +63,18 @@ for batch, prompt, staggered in cases:
         step(s, None)
     gc.collect(); gc.freeze()
     clock = {p: 0.0 for p in d.PHASES}
-    for _ in range(40):
+    for _ in range(steps):
         step(s, clock)
     gc.unfreeze()
-    print(json.dumps([batch, prompt, staggered, {p: clock[p] * 1e6 / 40 for p in d.PHASES}]), flush=True)
+    print(json.dumps([batch, prompt, staggered, {p: clock[p] * 1e6 / steps for p in d.PHASES}]), flush=True)
     del s
     gc.collect()
 '''
 
 
-def run_tree(tree: str, device: str, cases: list) -> list:
+def run_tree(tree: str, device: str, cases: list, steps: int = 40) -> list:
     env = dict(os.environ, PYTHONPATH=tree)
-    out = subprocess.run([sys.executable, "-c", _CHILD, tree, device, json.dumps(cases)], env=env, cwd=tree,
+    out = subprocess.run([sys.executable, "-c", _CHILD, tree, device, json.dumps(cases), str(steps)], env=env, cwd=tree,
                          capture_output=True, text=True, check=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("[")]
 
@@ -84,6 +85,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--cases", help="indices into the case list, comma-separated (default: all)")
+    parser.add_argument("--steps", type=int, default=40,
+                        help="timed steps per case and process (a lockstep page cycle is 11 steps)")
     args = parser.parse_args()
     if args.device is None:
         import torch
@@ -93,9 +96,11 @@ def main() -> None:
     cases = CASES if not args.cases else [CASES[int(i)] for i in args.cases.split(",")]
     trees = {"baseline": os.path.abspath(args.against), "this tree": here}
     got: dict[tuple, list] = {}
-    for _ in range(args.rounds):
-        for name, tree in trees.items():
-            for batch, prompt, staggered, phases in run_tree(tree, args.device, cases):
+    for i in range(args.rounds):
+        # baseline first in even rounds, this tree first in odd ones: a drift of the machine over the run
+        # (it warms, another job starts) then weighs on both trees alike
+        for name, tree in (list(trees.items()) if i % 2 == 0 else list(trees.items())[::-1]):
+            for batch, prompt, staggered, phases in run_tree(tree, args.device, cases, args.steps):
                 got.setdefault((batch, prompt, staggered, name), []).append(phases)
     print(f"device {args.device}; median over {args.rounds} alternating rounds, host us per step")
     print(f"{'B':>5} {'prompt':>9} {'stag':>4} {'tree':>10} " + " ".join(f"{p:>12}" for p in PHASES)
