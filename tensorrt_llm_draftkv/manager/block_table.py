@@ -261,7 +261,7 @@ class DeviceBlockTable:
         ordinal, page) entries in log order (page BAD_PAGE_INDEX: unbacked).
 
         A log of one entry (a generation step's page crossing) is settled with the other such logs of
-        its pool in one numpy pass (`_settle_crossings`); any other log, or a crossing that pass cannot
+        its pool in one short loop (`_settle_crossings`); any other log, or a crossing that loop cannot
         place, settles its row alone (`_take_log`)."""
         logged: list[tuple[list[int], list[int], list[int]]] = [([], [], []) for _ in self._pools]
         # per pool, the one-entry logs: (table rows, ordinals, backed now?, caches)
@@ -315,7 +315,7 @@ class DeviceBlockTable:
             first, extent = first_of.item(r), extent_of.item(r)
             if extent > first:  # an empty row's first is its length: the cache knows it, not the ring
                 if b:
-                    if o == extent and o + 1 - first <= C:  # wider than the ring: re-laid out by the caller
+                    if o == extent and o + 1 - first <= C:  # a span past the ring's width: the caller re-lays out
                         extent_of[r] = o + 1
                         moved = True
                         continue
