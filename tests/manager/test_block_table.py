@@ -229,6 +229,29 @@ def test_a_row_growing_a_page_a_step_past_its_ring_re_lays_it_out():
     assert widths[0] < widths[-1]  # the span outgrew the ring along the way
 
 
+def test_the_crossing_settle_leaves_to_the_cache_what_the_ring_cannot_place():
+    """`_settle_crossings` places only a page taken at a row's end and a first page given back whose next
+    ordinal the ring holds backed; any other one-entry log (a page set inside the span, a first given back
+    before a hole, a page given back inside the span) is returned for the cache to settle, its row's
+    first/extent left as they were."""
+    mgr = _manager(window=12, sinks=0, pages=(40, 40), one_group=True)
+    table = DeviceBlockTable(mgr.num_pools, "cpu", width=16)
+    ids = [1, 2, 3, 4]
+    for rid in ids:
+        cache = mgr.caches.new(rid)
+        assert cache.resize(40, 30)  # window 12, P 4: ordinals 4..9 live
+        mgr.caches[rid] = cache
+    table.sync(ids, [mgr.get_cache(r) for r in ids])
+    rows = [table.row_of(r) for r in ids]
+    spans = [table.host_row(0, r)[:2] for r in ids]
+    assert all(span == (4, 10) for span in spans)
+    pool, C = table._pools[0], table.width(0)
+    pool.host[rows[1], 5 % C] = BAD_PAGE_INDEX  # row 2's ring holds a hole right after its first
+    left = table._settle_crossings(0, rows, [5, 4, 10, 7], [True, False, True, False])
+    assert left == [0, 1, 3]  # a page set inside the span; a first given back before a hole; one given back inside
+    assert [table.host_row(0, r)[:2] for r in ids] == [(4, 10), (4, 10), (4, 11), (4, 10)]  # only the end-growth
+
+
 def test_a_generation_step_writes_only_what_its_resize_changed():
     """Steps of a windowed request: each sync writes the columns of the ordinals its resize allocated or
     released (one entry each), never the row; a step that changes no page writes nothing."""
