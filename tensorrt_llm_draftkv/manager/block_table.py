@@ -332,11 +332,7 @@ class DeviceBlockTable:
 
     def _take_log(self, r: int, cache: KVCache, changes: list) -> None:
         """Row r's first/extent brought up to date from its drained log and its cache (a row outgrowing
-        its ring re-lays the ring out)."""
-        if len(changes) == 1:  # a page crossing: one chunk
-            g, ordinals, pages = changes[0]
-            self._settle_span(r, cache, g, () if pages is None else ordinals)
-            return
+        its ring re-lays the ring out). (A page crossing's one-entry log is settled by `_settle_crossings`.)"""
         groups: dict[int, list[int]] = {}  # group -> the ordinals logged with a page (candidates for first)
         for g, ordinals, pages in changes:
             backed = groups.setdefault(g, [])
