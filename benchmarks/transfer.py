@@ -23,13 +23,13 @@ Run: `python -m benchmarks.transfer` (about two minutes on two CPU cores).
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import time
 
 import numpy as np
 import torch
 
+from draftkv_sim.disagg_wire import Rendezvous
 from tensorrt_llm_draftkv.transfer import (MemoryDescs, NixlTransferAgent, PoolRegion, TorchWireAgent,
                                            TransferRequest, nixl_unavailable, page_write_descs, pool_regions,
                                            slot_descs, use_loopback)
@@ -61,13 +61,13 @@ def _pages(rng: np.random.Generator, n: int, layout: str) -> tuple[np.ndarray, n
     return rng.permutation(PAGES)[:n], rng.permutation(PAGES)[:n]
 
 
-def _rank(rank: int, transport: str, layout: str, port: int, sizes: list[int], requests: int, repeats: int,
+def _rank(rank: int, transport: str, layout: str, meet: Rendezvous, sizes: list[int], requests: int, repeats: int,
           out) -> None:
     import torch.distributed as dist
 
     use_loopback()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=meet.init_method, rank=rank, world_size=2)
     target, draft, aux = _pools()
     mine = _regions(target, draft, aux)
     agent = NixlTransferAgent(f"bench{rank}") if transport == "nixl" else TorchWireAgent(f"bench{rank}", 1 - rank)
@@ -155,15 +155,14 @@ def measure(transport: str, layout: str, sizes: list[int], requests: int, repeat
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, transport, layout, port, sizes, requests, repeats, out)) for r in range(2)]
+    meet = Rendezvous.create()
+    procs = [ctx.Process(target=_rank, args=(r, transport, layout, meet, sizes, requests, repeats, out)) for r in range(2)]
     for p in procs:
         p.start()
     rows = out.get()
     for p in procs:
         p.join()
+    meet.remove()
     return rows
 
 

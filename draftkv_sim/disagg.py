@@ -64,7 +64,7 @@ import torch.distributed as dist
 from tensorrt_llm_draftkv.request import LlmRequest
 from tensorrt_llm_draftkv.transfer import TransferError
 from .disagg_link import PageLink, admit_next, agent_transport, make_agent, resolve_transport, send_request
-from .disagg_wire import Channel, free_port
+from .disagg_wire import Channel, Rendezvous
 
 
 class RankProgress(Protocol):
@@ -100,15 +100,15 @@ def _run_job(rank: int, agent, build: Callable[[int], Any], prompts: list[torch.
         queue.put((rank, "result", {"crash": traceback.format_exc()}))
 
 
-def _worker(rank: int, port: int, backend: str, transport: str, jobs, queue) -> None:
+def _worker(rank: int, meet: Rendezvous, backend: str, transport: str, jobs, queue) -> None:
     """One rank process: joins the group and builds its transfer agent once, then runs every job the
     parent sends until None."""
     agent = None
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        dist.init_process_group(backend, init_method=meet.init_method, rank=rank, world_size=2)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        agent = make_agent(transport, rank, str(port))
+        agent = make_agent(transport, rank, meet.tag)
         while (job := jobs.get()) is not None:
             _run_job(rank, agent, *job, queue)
     except BaseException:  # report, never hang the parent
@@ -193,9 +193,9 @@ class RankPool:
         ctx = mp.get_context("spawn")
         self.queue = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(2)]
-        port = free_port()
+        self.meet = Rendezvous.create()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, port, self.backend, self.transport, self.jobs[r], self.queue))
+            ctx.Process(target=_worker, args=(r, self.meet, self.backend, self.transport, self.jobs[r], self.queue))
             for r in range(2)
         ]
         for p in self.procs:
@@ -253,6 +253,7 @@ class RankPool:
                 jobs.put(None)
         for p in self.procs:
             p.join()
+        self.meet.remove()
 
     def __enter__(self) -> "RankPool":
         return self
