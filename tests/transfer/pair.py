@@ -9,13 +9,14 @@ raised. Loopback only (`use_loopback`).
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import traceback
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
-from draftkv_sim.disagg_wire import Rendezvous
 from tensorrt_llm_draftkv.transfer import (MemoryDescs, NixlTransferAgent, PoolRegion, TorchWireAgent,
                                            TransferError, TransferRequest, page_write_descs, use_loopback)
 
@@ -55,12 +56,12 @@ def _agent(transport: str, rank: int):
     return TorchWireAgent(f"rank{rank}", 1 - rank)
 
 
-def _rank(rank: int, transport: str, meet: Rendezvous, plan: list[Step], inbox, outbox, result_q, timeout_s: float):
+def _rank(rank: int, transport: str, init_method: str, plan: list[Step], inbox, outbox, result_q, timeout_s: float):
     try:
         use_loopback()
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=meet.init_method, rank=rank, world_size=2)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
         layers = _layers(100 + rank)
         regions = [PoolRegion(t.data_ptr(), PAGES, t[0].numel() * 4, t.stride(0) * 4, 4) for t in layers]
         agent = _agent(transport, rank)
@@ -107,9 +108,12 @@ def run_pair(transport: str, plan: list[Step], timeout_s: float = 20.0) -> PairR
 
     ctx = mp.get_context("spawn")
     q01, q10, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    meet = Rendezvous.create()
-    procs = [ctx.Process(target=_rank, args=(0, transport, meet, plan, q10, q01, results, timeout_s)),
-             ctx.Process(target=_rank, args=(1, transport, meet, plan, q01, q10, results, timeout_s))]
+    # The ranks meet through a file of a fresh directory: a port found free and released could be
+    # taken by another process (a parallel test) before rank 0 listens on it.
+    meet = tempfile.mkdtemp(prefix="draftkv-pair-")
+    init_method = "file://" + os.path.join(meet, "store")
+    procs = [ctx.Process(target=_rank, args=(0, transport, init_method, plan, q10, q01, results, timeout_s)),
+             ctx.Process(target=_rank, args=(1, transport, init_method, plan, q01, q10, results, timeout_s))]
     for p in procs:
         p.start()
     out = PairResult()
@@ -125,5 +129,5 @@ def run_pair(transport: str, plan: list[Step], timeout_s: float = 20.0) -> PairR
             out.sender_pools, out.sender_outcomes = arrays, outcomes
     for p in procs:
         p.join()
-    meet.remove()
+    shutil.rmtree(meet, ignore_errors=True)
     return out
