@@ -99,7 +99,7 @@ class _Pool:
     host: np.ndarray  # int32 [rows, C]
     first: np.ndarray  # int64 [rows]
     extent: np.ndarray  # int64 [rows]
-    device: torch.Tensor | None = None  # int32 [rows, C], None while the device is the CPU
+    device: torch.Tensor | None = None  # int32 [rows, C]; None where readers read `host` (the CPU)
     scalars_dev: torch.Tensor | None = None  # int64 [2, rows]: first, extent (one copy updates both)
     first_dev: torch.Tensor | None = None  # its rows, as views made once (a bound launch keys on them)
     extent_dev: torch.Tensor | None = None
@@ -110,10 +110,16 @@ class _Pool:
 class DeviceBlockTable:
     """Every live request's rows of one manager, one ring per pool (see the module docstring)."""
 
-    def __init__(self, num_pools: int, device: torch.device | str, *, rows: int = 8, width: int = 8) -> None:
+    def __init__(self, num_pools: int, device: torch.device | str, *, rows: int = 8, width: int = 8,
+                 cpu_copy: bool = False) -> None:
+        """`rows` x `width`: each ring's starting size (both grow as needed). On a GPU the rings live in
+        device tensors that each `sync` pushes to; on the CPU the readers read the host mirror itself,
+        unless `cpu_copy`: then the CPU keeps its own copy and takes the GPU's pushes (how tests check
+        the push path on a machine without a GPU)."""
         if num_pools < 1 or rows < 1 or width < 1:
             raise ValueError(f"DeviceBlockTable: num_pools ({num_pools}), rows ({rows}) and width ({width}) must be >= 1")
         self.device = torch.device(device)
+        self._pushed = self.device.type != "cpu" or cpu_copy  # readers read tensors that `_push` updates
         self._stager = PinnedStager(self.device)  # the pushes' copies
         self._pools = [self._new_pool(rows, width) for _ in range(num_pools)]
         self._row_of: dict[int, int] = {}
@@ -430,7 +436,7 @@ class DeviceBlockTable:
     def _push(self) -> None:
         """Each pool's pending entries (and first/extent, when they moved) to the device: one staged
         host buffer, one asynchronous copy from pinned memory, one scatter and one copy."""
-        if self.device.type == "cpu":
+        if not self._pushed:
             for pool in self._pools:
                 pool.pending.clear()
                 pool.scalars_dirty = False
@@ -438,7 +444,7 @@ class DeviceBlockTable:
         for pool in self._pools:
             rows = pool.host.shape[0]
             if pool.device is None or pool.device.shape != pool.host.shape:
-                pool.device = torch.from_numpy(pool.host).to(self.device)
+                pool.device = torch.from_numpy(pool.host).to(self.device, copy=True)  # a copy on the CPU too
                 pool.scalars_dev = torch.from_numpy(np.stack([pool.first, pool.extent])).to(self.device)
                 pool.first_dev, pool.extent_dev = pool.scalars_dev[0], pool.scalars_dev[1]
                 pool.pending.clear()
@@ -475,7 +481,7 @@ class DeviceBlockTable:
         """Pool ``pool``'s ring and these requests' table rows (call `sync` for them first)."""
         p = self._pools[pool]
         rows = self.rows_tensor(request_ids)
-        if self.device.type == "cpu":
+        if not self._pushed:
             return RingTables(torch.from_numpy(p.host), torch.from_numpy(p.first), torch.from_numpy(p.extent), rows)
         return RingTables(p.device, p.first_dev, p.extent_dev, rows)
 
@@ -492,7 +498,7 @@ class DeviceBlockTable:
         """The same live span read back from the device tensors (a test's check of the pushes)."""
         p = self._pools[pool]
         r = self._row_of[request_id]
-        if self.device.type == "cpu":
+        if not self._pushed:
             return self.host_row(pool, request_id)[2]
         first, extent = int(p.first_dev[r]), int(p.extent_dev[r])
         cols = torch.arange(first, max(first, extent), device=self.device) % p.device.shape[1]

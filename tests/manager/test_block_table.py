@@ -54,7 +54,8 @@ class RingFollowsRows(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.mgr = _manager(sinks=self.sinks, one_group=self.one_group)
-        self.table = DeviceBlockTable(self.mgr.num_pools, "cpu", rows=1, width=1)
+        # its own pushed copy, as on a GPU: `check_rows` reads it back against the host mirror
+        self.table = DeviceBlockTable(self.mgr.num_pools, "cpu", rows=1, width=1, cpu_copy=True)
         self.next_id = 0
 
     def live(self) -> list[int]:
@@ -551,19 +552,37 @@ def test_the_device_table_and_a_kept_destination_follow_many_steps_cuda(one_grou
     many times over: after each of 300 random steps of sliding rows (window without sinks, and a full
     group; or the window alone, whose crossings the sync settles from the ring) the device ring equals
     the host mirror and the kept destination equals a fresh export."""
-    rng = np.random.default_rng(7)
+    from tensorrt_llm_draftkv.staging import PinnedStager
+
     mgr = _manager(window=12, sinks=0, pages=(80, 160), device="cuda", one_group=one_group)
-    dst = torch.full((mgr.num_pools, 6, 2, 40), -9, dtype=torch.int32, device="cuda")
+    table = mgr.device_block_table
+    table._stager = PinnedStager("cuda", capacity=256)  # small arenas: a full turn every few steps
+    dst_stager = mgr.offset_destinations._stagers[torch.device("cuda", torch.cuda.current_device())] = \
+        PinnedStager("cuda", capacity=256)
+    _follow_many_steps(mgr, "cuda")
+    assert table._stager.turns > 8 and dst_stager.turns > 8
+
+
+@pytest.mark.parametrize("one_group", [False, True], ids=["two-groups", "one-group"])
+def test_a_pushed_cpu_copy_and_a_kept_destination_follow_many_steps(one_group):
+    """The GPU test's walk on the CPU, the table keeping its own pushed copy (`cpu_copy`): each push
+    (entries, and first/extent where they moved) is checked on every CI run, not only on a GPU."""
+    mgr = _manager(window=12, sinks=0, pages=(80, 160), one_group=one_group)
+    mgr._block_table = DeviceBlockTable(mgr.num_pools, "cpu", cpu_copy=True)
+    _follow_many_steps(mgr, "cpu")
+
+
+def _follow_many_steps(mgr: KVCacheManagerV2, device: str) -> None:
+    """300 random steps of six requests (a finished one replaced under its id); after each, the kept
+    destination equals a fresh export and every pushed row equals its host mirror."""
+    rng = np.random.default_rng(7)
+    dst = torch.full((mgr.num_pools, 6, 2, 40), -9, dtype=torch.int32, device=device)
     for rid in range(6):
         cache = mgr.caches.new(rid)
         assert cache.resize(int(rng.integers(1, 40)), 0)
         mgr.caches[rid] = cache
     ids = list(range(6))
-    from tensorrt_llm_draftkv.staging import PinnedStager
-
     table = mgr.device_block_table
-    table._stager = PinnedStager("cuda", capacity=256)  # small arenas: a full turn every few steps
-    mgr.offset_destinations._stagers[dst.device] = PinnedStager("cuda", capacity=256)
     for step in range(300):
         for rid in ids:
             cache = mgr.get_cache(rid)
@@ -580,4 +599,3 @@ def test_the_device_table_and_a_kept_destination_follow_many_steps_cuda(one_grou
         for rid in ids:
             for g in range(mgr.num_pools):
                 assert np.array_equal(table.device_row(g, rid), table.host_row(g, rid)[2]), (step, rid, g)
-    assert table._stager.turns > 8 and mgr.offset_destinations._stagers[dst.device].turns > 8
