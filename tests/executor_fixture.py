@@ -34,6 +34,7 @@ from tensorrt_llm_draftkv import (
     ScheduledRequests,
     SpeculativeDecodingMode,
 )
+from tensorrt_llm_draftkv.manager.block_table import DeviceBlockTable
 from tensorrt_llm_draftkv.request import ContextView, request_context
 from tensorrt_llm_draftkv.speculative import DFlashDraftSlots, required_extra_kv_tokens
 
@@ -176,8 +177,10 @@ class DraftExecutor:
     def build(cls, *, windows: tuple = (None,), pages: int = 256, tokens_per_block: int = 16, block_size: int = 4,
               max_seq_len: int = 4096, max_batch_size: int = 8, joint_kv_cache_reuse: bool = False,
               trail_page: bool = True, guard_page: bool = False, backend: str = "cpp", fused: bool = False,
-              private_arena: bool = False) -> "DraftExecutor":
-        """A DFlash draft manager of `block_size - 1` layers (one group per window) and `max_batch_size` slots."""
+              private_arena: bool = False, pushed_table: bool = False) -> "DraftExecutor":
+        """A DFlash draft manager of `block_size - 1` layers (one group per window) and `max_batch_size` slots.
+        `pushed_table`: the manager's block table keeps its own copy that each sync pushes to, as on a GPU,
+        and the worker reads that copy (`DeviceBlockTable(cpu_copy=True)`)."""
         config = pool_config(windows, pages, tokens_per_block, block_size - 1, guard_page=guard_page,
                              max_seq_len=max_seq_len)
         dm = DraftKVCacheManagerV2.from_pool_config(
@@ -185,6 +188,8 @@ class DraftExecutor:
             num_extra_kv_tokens=required_extra_kv_tokens(block_size), joint_kv_cache_reuse=joint_kv_cache_reuse,
             trail_page=trail_page,
         )
+        if pushed_table:
+            dm._block_table = DeviceBlockTable(dm.num_pools, dm.config.device, cpu_copy=True)
         meta = DFlashDraftSlots(max_batch_size, block_size=block_size, tokens_per_block=tokens_per_block,
                                 max_ctx_len=max_seq_len, fused=fused, backend=backend)
         return cls(dm, meta, private_arena=private_arena)

@@ -55,8 +55,9 @@ class DraftKVMachine(RuleBasedStateMachine):
         trail=st.booleans(),
         backend=st.sampled_from(["cpp", "python"]),
         guard=st.booleans(),
+        pushed=st.booleans(),
     )
-    def setup(self, windows, joint, trail, backend, guard):
+    def setup(self, windows, joint, trail, backend, guard, pushed):
         self.loop = DraftExecutor.build(
             windows=windows,
             tokens_per_block=P,
@@ -68,6 +69,7 @@ class DraftKVMachine(RuleBasedStateMachine):
             trail_page=trail,
             backend=backend,
             guard_page=guard,
+            pushed_table=pushed,
         )
         self.totals = [g.pool.total for g in self.loop.dm.layer_groups]
 
