@@ -121,7 +121,16 @@ def scatter_int32(memory: torch.Tensor, flat: np.ndarray, values: np.ndarray, st
     if memory.device.type == "cpu":
         memory.numpy()[flat] = values
         return
+    scatter_int32_staged(memory, flat, values, stager)
+
+
+def scatter_int32_staged(memory: torch.Tensor, flat: np.ndarray, values: np.ndarray,
+                         stager: PinnedStager | None = None) -> None:
+    """`scatter_int32`'s device form, on any device (on the CPU a test runs the GPU's packing with it):
+    `[flat offsets | values, two int32 per int64 slot]` staged as one buffer, one copy, one scatter."""
     n = flat.size
+    if not n:  # nothing to write (and an empty int64 buffer has no int32 view)
+        return
     buf = np.empty(n + (n + 1) // 2, dtype=np.int64)
     buf[:n] = flat
     buf[n:].view(np.int32)[:n] = values
@@ -129,4 +138,4 @@ def scatter_int32(memory: torch.Tensor, flat: np.ndarray, values: np.ndarray, st
     memory.index_copy_(0, on_device[:n], on_device[n:].view(torch.int32)[:n])
 
 
-__all__ = ["PinnedStager", "scatter_int32", "staged", "to_device"]
+__all__ = ["PinnedStager", "scatter_int32", "scatter_int32_staged", "staged", "to_device"]

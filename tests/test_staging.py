@@ -7,15 +7,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorrt_llm_draftkv.staging import PinnedStager, scatter_int32, staged, to_device
+from tensorrt_llm_draftkv.staging import PinnedStager, scatter_int32, scatter_int32_staged, staged, to_device
 
 
-def _check_scatter(device: str, size: int, picks: list[int], seed: int) -> None:
+def _check_scatter(device: str, size: int, picks: list[int], seed: int, scatter=scatter_int32) -> None:
     rng = np.random.default_rng(seed)
     memory = torch.full((size,), -77, dtype=torch.int32, device=device)  # poisoned: only the picks may change
     flat = np.array(sorted(set(picks)), dtype=np.int64)
     values = rng.integers(-(2**31), 2**31 - 1, flat.size, dtype=np.int64).astype(np.int32)
-    scatter_int32(memory, flat, values)
+    scatter(memory, flat, values)
     want = np.full(size, -77, dtype=np.int32)
     want[flat] = values
     assert np.array_equal(memory.cpu().numpy(), want)
@@ -26,6 +26,15 @@ def _check_scatter(device: str, size: int, picks: list[int], seed: int) -> None:
 def test_scatter_writes_exactly_the_offsets_given(size, data):
     picks = data.draw(st.lists(st.integers(0, size - 1), max_size=size))
     _check_scatter("cpu", size, picks, data.draw(st.integers(0, 99)))
+
+
+@settings(deadline=None, max_examples=40)
+@given(size=st.integers(1, 300), data=st.data())
+def test_the_device_form_of_the_scatter_packs_and_unpacks_exactly_on_the_cpu(size, data):
+    """The GPU's path (offsets and int32 values packed into one int64 buffer, odd counts included), run on
+    the CPU so every CI run checks the packing."""
+    picks = data.draw(st.lists(st.integers(0, size - 1), max_size=size))
+    _check_scatter("cpu", size, picks, data.draw(st.integers(0, 99)), scatter=scatter_int32_staged)
 
 
 def test_staged_values_keep_their_dtype_and_land_on_the_device():
