@@ -73,6 +73,7 @@ def test_kept_ranks_run_several_disaggregated_runs_with_the_same_processes():
     spec = RunSpec("kept-ranks", "disaggregated", (600, 700), 2)
     setup = replace(SMALL, max_new_tokens=8)
     with RankPool("gloo") as ranks:
+        assert os.path.isdir(ranks.meet.directory)  # the ranks met through a file there, not a port
         pids = [p.pid for p in ranks.procs]
         first, _ = run_one(setup, spec, MirrorSizing.HISTORY, ranks=ranks)
         second, _ = run_one(setup, spec, MirrorSizing.LEGACY, ranks=ranks)
@@ -81,3 +82,20 @@ def test_kept_ranks_run_several_disaggregated_runs_with_the_same_processes():
     assert first.finished == third.finished == 2 and first.outputs == third.outputs
     assert second.finished == 2  # the legacy run in between leaves the ranks usable
     assert all(p.exitcode == 0 for p in ranks.procs)  # closed cleanly
+    assert not os.path.exists(ranks.meet.directory)  # and its rendezvous removed
+
+
+def test_each_rank_pair_meets_in_a_directory_of_its_own():
+    """Two pools started at once (two tests under `pytest -n 2`) cannot meet at the same place: each
+    rendezvous is a fresh directory, where a port found free could be taken by the other."""
+    from draftkv_sim.disagg_wire import Rendezvous
+
+    a, b = Rendezvous.create(), Rendezvous.create()
+    try:
+        assert a.directory != b.directory and a.tag != b.tag
+        assert a.init_method == "file://" + os.path.join(a.directory, "store")
+        assert os.listdir(a.directory) == []  # the store file does not exist yet: the ranks create it
+    finally:
+        a.remove()
+        b.remove()
+    assert not os.path.exists(a.directory) and not os.path.exists(b.directory)
