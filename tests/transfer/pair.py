@@ -114,20 +114,22 @@ def run_pair(transport: str, plan: list[Step], timeout_s: float = 20.0) -> PairR
     init_method = "file://" + os.path.join(meet, "store")
     procs = [ctx.Process(target=_rank, args=(0, transport, init_method, plan, q10, q01, results, timeout_s)),
              ctx.Process(target=_rank, args=(1, transport, init_method, plan, q01, q10, results, timeout_s))]
-    for p in procs:
-        p.start()
-    out = PairResult()
-    expected = 1 if any(s.fault == "exit" for s in plan) else 2
-    for _ in range(expected):
-        rank, pools, outcomes = results.get(timeout=600)
-        if pools is None:
-            raise RuntimeError(f"rank {rank} crashed:\n{outcomes}")
-        arrays = [np.frombuffer(p, dtype=np.uint8) for p in pools]
-        if rank == 1:
-            out.pools, out.outcomes = arrays, outcomes
-        else:
-            out.sender_pools, out.sender_outcomes = arrays, outcomes
-    for p in procs:
-        p.join()
-    shutil.rmtree(meet, ignore_errors=True)
-    return out
+    try:
+        for p in procs:
+            p.start()
+        out = PairResult()
+        expected = 1 if any(s.fault == "exit" for s in plan) else 2
+        for _ in range(expected):
+            rank, pools, outcomes = results.get(timeout=600)
+            if pools is None:
+                raise RuntimeError(f"rank {rank} crashed:\n{outcomes}")
+            arrays = [np.frombuffer(p, dtype=np.uint8) for p in pools]
+            if rank == 1:
+                out.pools, out.outcomes = arrays, outcomes
+            else:
+                out.sender_pools, out.sender_outcomes = arrays, outcomes
+        for p in procs:
+            p.join()
+        return out
+    finally:
+        shutil.rmtree(meet, ignore_errors=True)  # a crashed pair leaves no directory behind either
