@@ -29,8 +29,7 @@ import time
 import numpy as np
 import torch
 
-from draftkv_sim.disagg_wire import Rendezvous
-from tensorrt_llm_draftkv.transfer import (MemoryDescs, NixlTransferAgent, PoolRegion, TorchWireAgent,
+from tensorrt_llm_draftkv.transfer import (MemoryDescs, NixlTransferAgent, PoolRegion, Rendezvous, TorchWireAgent,
                                            TransferRequest, nixl_unavailable, page_write_descs, pool_regions,
                                            slot_descs, use_loopback)
 
@@ -157,13 +156,15 @@ def measure(transport: str, layout: str, sizes: list[int], requests: int, repeat
     out = ctx.Queue()
     meet = Rendezvous.create()
     procs = [ctx.Process(target=_rank, args=(r, transport, layout, meet, sizes, requests, repeats, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    rows = out.get()
-    for p in procs:
-        p.join()
-    meet.remove()
-    return rows
+    try:
+        for p in procs:
+            p.start()
+        rows = out.get()
+        for p in procs:
+            p.join()
+        return rows
+    finally:
+        meet.remove()
 
 
 def main() -> None:

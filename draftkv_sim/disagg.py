@@ -62,9 +62,9 @@ import torch
 import torch.distributed as dist
 
 from tensorrt_llm_draftkv.request import LlmRequest
-from tensorrt_llm_draftkv.transfer import TransferError
+from tensorrt_llm_draftkv.transfer import Rendezvous, TransferError
 from .disagg_link import PageLink, admit_next, agent_transport, make_agent, resolve_transport, send_request
-from .disagg_wire import Channel, Rendezvous
+from .disagg_wire import Channel
 
 
 class RankProgress(Protocol):

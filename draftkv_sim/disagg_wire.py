@@ -32,9 +32,6 @@ Once per run each rank sends its agent descriptor and its registered memory
 """
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 
 import torch
@@ -136,34 +133,6 @@ def payload_bytes(geometry: DrafterContextGeometry, prompt_len: int, floor: int 
             count *= d
         total += count * torch.empty((), dtype=dtype).element_size()
     return total
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """Where two rank processes meet to form their process group: a file store in a fresh directory.
-
-    A TCP rendezvous needs a port chosen before the ranks start; a port found
-    free and then released can be taken by any other process (a parallel test,
-    a transfer engine) before rank 0 listens on it. A file in a directory of
-    our own cannot be taken. `tag` names the pair (unique per rendezvous).
-    """
-
-    directory: str
-
-    @classmethod
-    def create(cls) -> "Rendezvous":
-        return cls(tempfile.mkdtemp(prefix="draftkv-rdv-"))
-
-    @property
-    def init_method(self) -> str:
-        return "file://" + os.path.join(self.directory, "store")
-
-    @property
-    def tag(self) -> str:
-        return os.path.basename(self.directory)
-
-    def remove(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 class Channel:

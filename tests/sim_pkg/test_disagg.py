@@ -88,7 +88,7 @@ def test_kept_ranks_run_several_disaggregated_runs_with_the_same_processes():
 def test_each_rank_pair_meets_in_a_directory_of_its_own():
     """Two pools started at once (two tests under `pytest -n 2`) cannot meet at the same place: each
     rendezvous is a fresh directory, where a port found free could be taken by the other."""
-    from draftkv_sim.disagg_wire import Rendezvous
+    from tensorrt_llm_draftkv.transfer import Rendezvous
 
     a, b = Rendezvous.create(), Rendezvous.create()
     try:

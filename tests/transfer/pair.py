@@ -9,15 +9,13 @@ raised. Loopback only (`use_loopback`).
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import traceback
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
-from tensorrt_llm_draftkv.transfer import (MemoryDescs, NixlTransferAgent, PoolRegion, TorchWireAgent,
+from tensorrt_llm_draftkv.transfer import (MemoryDescs, NixlTransferAgent, PoolRegion, Rendezvous, TorchWireAgent,
                                            TransferError, TransferRequest, page_write_descs, use_loopback)
 
 PAGES, LAYERS, PAGE_SHAPE = 64, 2, (2, 1, 4, 16)  # [pages, K/V, heads, tokens per block, head dim] float32
@@ -108,12 +106,9 @@ def run_pair(transport: str, plan: list[Step], timeout_s: float = 20.0) -> PairR
 
     ctx = mp.get_context("spawn")
     q01, q10, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    # The ranks meet through a file of a fresh directory: a port found free and released could be
-    # taken by another process (a parallel test) before rank 0 listens on it.
-    meet = tempfile.mkdtemp(prefix="draftkv-pair-")
-    init_method = "file://" + os.path.join(meet, "store")
-    procs = [ctx.Process(target=_rank, args=(0, transport, init_method, plan, q10, q01, results, timeout_s)),
-             ctx.Process(target=_rank, args=(1, transport, init_method, plan, q01, q10, results, timeout_s))]
+    meet = Rendezvous.create()  # a file, not a port another test's process could take first
+    procs = [ctx.Process(target=_rank, args=(0, transport, meet.init_method, plan, q10, q01, results, timeout_s)),
+             ctx.Process(target=_rank, args=(1, transport, meet.init_method, plan, q01, q10, results, timeout_s))]
     try:
         for p in procs:
             p.start()
@@ -132,4 +127,4 @@ def run_pair(transport: str, plan: list[Step], timeout_s: float = 20.0) -> PairR
             p.join()
         return out
     finally:
-        shutil.rmtree(meet, ignore_errors=True)  # a crashed pair leaves no directory behind either
+        meet.remove()  # a crashed pair leaves no directory behind either
