@@ -373,6 +373,11 @@ def _prepare_ring(
     return out
 
 
+#: The ring form's ring order (``_ring_kernel.py``) where the read row fits the ring; False: read-row
+#: order everywhere. ``benchmarks.ring_step`` times both in one run.
+RING_COLUMN_ORDER = True
+
+
 def ring_launch(
     tensors: tuple[torch.Tensor, ...], out: PagedLatentPrep, kw: dict, block: Optional[int], num_warps: Optional[int]
 ) -> tuple[tuple[int, int], tuple, dict]:
@@ -381,7 +386,11 @@ def ring_launch(
     C = tables.shape[1]
     B = tensors[2].shape[0]
     out_w = out.read_rows.shape[1]
-    blk = pick_block(B, out_w, block, tables.device.type != "cuda")
+    # ring order (two rounds of dependent reads instead of three) needs each read-row column to come
+    # from one ring column: a read row no wider than the ring
+    by_ring = RING_COLUMN_ORDER and out_w <= C
+    span = C if by_ring else out_w
+    blk = pick_block(B, span, block, tables.device.type != "cuda")
     args = (
         tables, vec(tensors[1]), vec(tensors[3]), vec(tensors[2]), *(vec(t) for t in tensors[4:]),
         out.read_rows, out.read_lens, out.query_pos, out.store_pages, out.store_offsets, out.new_ctx_len,
@@ -394,9 +403,10 @@ def ring_launch(
         QBLOCK=next_pow2(max(kw["block_size"], 1)),
         NBLOCK=next_pow2(max(kw["max_new"], 1)),
         WINDOWED=kw["read_window"] is not None,
+        COLUMN_ORDER=by_ring,
         num_warps=num_warps or warps_for(blk),
     )
-    return (B, max(1, -(-out_w // blk))), args, meta
+    return (B, max(1, -(-span // blk))), args, meta
 
 
 def _launch_prepare(

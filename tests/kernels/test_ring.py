@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tensorrt_llm_draftkv.kernels import spec_tail_kernels
 from tensorrt_llm_draftkv.kernels import (
     PagedLatentPrep,
     prepare_paged_latent,
@@ -87,17 +88,40 @@ def run_case(seed: int, window, impl, device: str = "cpu", max_ctx: int | None =
     check_equal(ref, want, width)
 
 
-@pytest.mark.parametrize("window", [None, 16, 40])
+@pytest.fixture(params=["ring order", "read-row order"])
+def order(request, monkeypatch):
+    """Both orders of the kernel's work (`_ring_kernel.py`); a read row wider than the ring
+    (window 120: 16 columns against C 12) takes the read-row order under either."""
+    monkeypatch.setattr(spec_tail_kernels, "RING_COLUMN_ORDER", request.param == "ring order")
+    return request.param
+
+
+@pytest.mark.parametrize("window", [None, 16, 40, 120])
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 @pytest.mark.parametrize("seed", range(8))
-def test_ring_form_equals_the_two_step_form_on_the_decoded_rows(seed, impl, window):
+def test_ring_form_equals_the_two_step_form_on_the_decoded_rows(seed, impl, window, order):
     run_case(seed, window, impl)
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
-def test_ring_form_clamps_stores_at_max_ctx(impl):
+def test_ring_form_clamps_stores_at_max_ctx(impl, order):
     for seed in range(4):
         run_case(100 + seed, 24, impl, max_ctx=60)
+
+
+@pytest.mark.parametrize("block", [4, 8, 16])
+def test_ring_order_splits_the_ring_over_programs(block, order):
+    """Ring columns spread over several programs (C 12 in blocks of 4 and 8): each read-row column
+    and store target is written by the program that loaded its ring column, once."""
+    for seed in range(6):
+        ring_args, oracle_args, _ = random_step(200 + seed)
+        kw = dict(block_size=BS, tokens_per_block=P, max_ctx=10_000, max_new=MAX_NEW, read_window=40)
+        want = prepare_paged_latent_reference(*oracle_args, **kw)
+        ring, ext, rows, first, *vectors = ring_args
+        out = poisoned(rows.shape[0], 6, "cpu")
+        got = prepare_paged_latent(ring, ext, *vectors, table_rows=rows, table_first=first, out=out, impl="triton",
+                                   block=block, **kw)
+        check_equal(got, want, 6)
 
 
 def test_ring_form_refuses_bad_arguments_before_writing():
@@ -118,7 +142,7 @@ def test_ring_form_refuses_bad_arguments_before_writing():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize("window", [None, 16, 120])
 @pytest.mark.parametrize("seed", range(4))
-def test_ring_form_on_cuda(seed, window):
+def test_ring_form_on_cuda(seed, window, order):
     run_case(seed, window, None, device="cuda")
