@@ -6,7 +6,8 @@ Per batch B and prompt length: a ring of B table rows (W 4096, P 32: each row's 
 is its window plus a step, ``C = W/P + 8`` columns, whatever the prompt), rows at the
 prompt's end, slots based at 0, block 16. Timed, all on the same inputs:
 
-* ``ring``: ``prepare_paged_latent(..., table_rows=, table_first=, read_window=W)``, one launch;
+* ``ring``: ``prepare_paged_latent(..., table_rows=, table_first=, read_window=W)``, one launch,
+  sized as the ring form is by default (``launch`` ring) and as the other kernels are (``generic``);
 * ``ring graph``: the same launch captured once and replayed;
 * ``copy``: ``copy_`` of the bytes the window-bounded step must touch (each row's
   ``W/P + 1`` entries read and its read row written), as a same-bytes floor, launched
@@ -51,21 +52,23 @@ def make(B: int, prompt: int, dev: torch.device, seed: int = 0):
     return [a.to(dev) for a in args]
 
 
-def bench(B: int, prompt: int, dev: torch.device, ring_order: bool = True) -> dict:
-    """One row; `ring_order`: the kernel's ring order (two rounds of dependent reads) or its read-row
-    order (three), `spec_tail_kernels.RING_COLUMN_ORDER`."""
+def bench(B: int, prompt: int, dev: torch.device, generic: bool = False) -> dict:
+    """One row. `generic`: the launch sized as the other kernels are (`pick_block`'s block, a warp per
+    256 columns: one warp here) instead of the ring form's own sizing (`RING_BLOCK`, a column a thread)."""
     import triton.testing as tt
-    from tensorrt_llm_draftkv.kernels import spec_tail_kernels
-
-    spec_tail_kernels.RING_COLUMN_ORDER = ring_order
+    from tensorrt_llm_draftkv.kernels._checks import num_warps, pick_block
 
     pages, extent, rows, first, *vectors = make(B, prompt, dev)
     kw = dict(block_size=BS, tokens_per_block=P, max_ctx=prompt + 4096, max_new=MAX_NEW, read_window=W)
     out = K.PagedLatentPrep.empty(B, window_read_width(W, P), BS, MAX_NEW, device=dev)
     want = K.prepare_paged_latent_ring_reference(pages, extent, rows, first, *vectors, **kw)
+    tune = {}
+    if generic:
+        block = pick_block(B, out.read_rows.shape[1], None, False)
+        tune = dict(block=block, num_warps=num_warps(block))
 
     def call():
-        K.prepare_paged_latent(pages, extent, *vectors, table_rows=rows, table_first=first, out=out, **kw)
+        K.prepare_paged_latent(pages, extent, *vectors, table_rows=rows, table_first=first, out=out, **kw, **tune)
 
     call()
     torch.cuda.synchronize()
@@ -84,10 +87,10 @@ def bench(B: int, prompt: int, dev: torch.device, ring_order: bool = True) -> di
     with torch.cuda.graph(copy_graph):
         dst.copy_(src)
     copy_replay = tt.do_bench(copy_graph.replay, warmup=25, rep=200, return_mode="median")
-    bound = K.BoundRingPreparation(pages, extent, rows, first, *vectors, out=out, **kw)
+    bound = K.BoundRingPreparation(pages, extent, rows, first, *vectors, out=out, **kw, **tune)
     bound()
     assert bound.is_bound
-    return {"B": B, "prompt": prompt, "order": "ring" if ring_order else "read-row", "ring_us": direct * 1e3, "graph_us": replay * 1e3, "copy_us": copy * 1e3,
+    return {"B": B, "prompt": prompt, "launch": "generic" if generic else "ring", "ring_us": direct * 1e3, "graph_us": replay * 1e3, "copy_us": copy * 1e3,
             "copy_graph_us": copy_replay * 1e3,
             "host_us": _host_us(call), "bound_us": _host_us(bound), "copy_host_us": _host_us(lambda: dst.copy_(src))}
 
@@ -115,14 +118,14 @@ def main() -> None:
     dev = torch.device("cuda")
     prompts = (32_768, 2_097_152) if args.quick else (32_768, 131_072, 524_288, 2_097_152)
     rows = []
-    print(f"{'B':>5} {'prompt':>9} {'order':>8} {'ring us':>8} {'graph us':>9} {'copy us':>8} {'graph/copy':>10}"
+    print(f"{'B':>5} {'prompt':>9} {'launch':>8} {'ring us':>8} {'graph us':>9} {'copy us':>8} {'graph/copy':>10}"
           f" {'copy graph':>10} {'graph/graph':>11} {'host us':>8} {'bound us':>9} {'copy_ host':>10}")
     for B in (8, 64, 256):
         for prompt in prompts:
-            for ring_order in (True, False):
-                r = bench(B, prompt, dev, ring_order)
+            for generic in (False, True):
+                r = bench(B, prompt, dev, generic)
                 rows.append(r)
-                print(f"{B:>5} {prompt:>9} {r['order']:>8} {r['ring_us']:>8.2f} {r['graph_us']:>9.2f}"
+                print(f"{B:>5} {prompt:>9} {r['launch']:>8} {r['ring_us']:>8.2f} {r['graph_us']:>9.2f}"
                       f" {r['copy_us']:>8.2f} {r['graph_us'] / r['copy_us']:>10.2f} {r['copy_graph_us']:>10.2f}"
                       f" {r['graph_us'] / r['copy_graph_us']:>11.2f} {r['host_us']:>8.1f} {r['bound_us']:>9.1f}"
                       f" {r['copy_host_us']:>10.1f}", flush=True)

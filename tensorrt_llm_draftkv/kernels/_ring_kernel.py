@@ -4,19 +4,8 @@ a manager's device block table (``manager/block_table.py``), no export and no de
 Batch row ``b`` reads table row ``r = table_rows[b]`` of the ring ``[R, C]``, which holds
 block ordinal ``o`` at column ``o % C`` inside its live span ``[first[r], extent[r])``;
 everything else is as the two-step body (``_prepare_kernel.py``, layout conventions in
-``_triton_kernels.py``): chunk 0 writes the row's scalars.
-
-Two orders of the same work (``COLUMN_ORDER``, chosen at launch):
-
-* read-row order (grid ``(B, chunks of the read row)``): a program takes read-row columns
-  ``j`` and loads ring column ``(shift + j) % C``. The loads wait for ``shift``, so a row costs
-  three rounds of dependent reads: the batch row's table row and slot, then that row's
-  first/extent and the slot's base/length, then the ring.
-* ring order (grid ``(B, chunks of the ring row)``, only when ``out_w <= C``): a program loads
-  ring columns ``k`` as soon as the table row is known, beside first/extent/base/length, and
-  stores each where it belongs, read-row column ``j = (k - shift) mod C``: two rounds. Each
-  ``j < out_w`` is written by exactly one column, since ``out_w <= C``. The store targets take
-  their pages from the loaded columns too (the program holding a target's column writes it).
+``_triton_kernels.py``): grid ``(B, chunks of the read row)``, chunk 0 writes the
+row's scalars and store targets.
 """
 from __future__ import annotations
 
@@ -53,18 +42,11 @@ def ring_kernel(
     QBLOCK: tl.constexpr,
     NBLOCK: tl.constexpr,
     WINDOWED: tl.constexpr,
-    COLUMN_ORDER: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     r = tl.load(trow_ptr + row).to(tl.int64)
     slot = tl.load(slot_ptr + row).to(tl.int64)
-    tab_row = tab_ptr + r * s_tb
-    if COLUMN_ORDER:
-        # this program's ring columns, loaded before the span and the slot are known
-        k = chunk * BLOCK + tl.arange(0, BLOCK)
-        in_ring = k < C
-        ring = tl.load(tab_row + k * s_tm, mask=in_ring, other=-1)
     first = tl.load(first_ptr + r).to(tl.int64)
     ext = tl.load(ext_ptr + r).to(tl.int64)
     base = tl.load(basep_ptr + slot).to(tl.int64)
@@ -75,40 +57,16 @@ def ring_kernel(
     if WINDOWED:
         base = tl.maximum(base, tl.maximum(new_ctx + block_size - window, 0) // P)
     shift = tl.maximum(tl.minimum(base, ext), 0)
+    tab_row = tab_ptr + r * s_tb
 
     # read_rows[b, j] = page of ordinal shift + j, inside the row's live span
-    if COLUMN_ORDER:
-        cols = (k + C - shift % C) % C  # the read-row column of ring column k
-        src = shift + cols
-        inside = in_ring & (src >= first) & (src < ext)
-        if WINDOWED:
-            inside = inside & (src * P < new_ctx + block_size)  # nothing past the block's last page
-        v = tl.where(inside, ring, -1)
-        tl.store(rows_ptr + row * s_rb + cols, v.to(tl.int32), mask=in_ring & (cols < out_w))
-    else:
-        cols = chunk * BLOCK + tl.arange(0, BLOCK)
-        src = shift + cols
-        inside = (src >= first) & (src < ext)
-        if WINDOWED:
-            inside = inside & (src * P < new_ctx + block_size)  # nothing past the block's last page
-        v = tl.load(tab_row + (tl.where(inside, src, 0) % C) * s_tm, mask=inside, other=-1)
-        tl.store(rows_ptr + row * s_rb + cols, v.to(tl.int32), mask=cols < out_w)
-
-    # store targets: slot position pos -> absolute ordinal pos // P, looked up in the ring
-    i = tl.arange(0, NBLOCK)
-    in_out = i < max_new
-    pos = L + i
-    valid = in_out & (i < n) & (pos < max_ctx) & (pos >= 0)
-    ordinal = tl.where(valid, pos, 0) // P
-    in_table = valid & (ordinal >= first) & (ordinal < ext)
-    if COLUMN_ORDER:
-        # a target's page from the loaded columns: written by the program that holds its column,
-        # a target outside the table (-1) by chunk 0
-        col = ordinal % C
-        held = (col >= chunk * BLOCK) & (col < chunk * BLOCK + BLOCK)
-        pg = tl.sum(tl.where(col[:, None] == k[None, :], ring[None, :], 0), axis=1)
-        pg = tl.where(in_table, pg, -1)
-        tl.store(spage_ptr + row * max_new + i, pg.to(tl.int32), mask=in_out & tl.where(in_table, held, chunk == 0))
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    src = shift + cols
+    inside = (src >= first) & (src < ext)
+    if WINDOWED:
+        inside = inside & (src * P < new_ctx + block_size)  # nothing past the block's last page
+    v = tl.load(tab_row + (tl.where(inside, src, 0) % C) * s_tm, mask=inside, other=-1)
+    tl.store(rows_ptr + row * s_rb + cols, v.to(tl.int32), mask=cols < out_w)
 
     if chunk == 0:
         lens = tl.minimum(tl.maximum(new_ctx - base * P, 0), (ext - shift) * P)
@@ -119,11 +77,17 @@ def ring_kernel(
         q = tl.arange(0, QBLOCK)
         tl.store(qpos_ptr + row * block_size + q, new_ctx + q, mask=q < block_size)
 
-        if not COLUMN_ORDER:
-            pg = tl.load(tab_row + (ordinal % C) * s_tm, mask=in_table, other=-1)
-            pg = tl.where(in_table, pg, -1)
-            tl.store(spage_ptr + row * max_new + i, pg.to(tl.int32), mask=in_out)
+        # store targets: slot position pos -> absolute ordinal pos // P, looked up in the ring
+        i = tl.arange(0, NBLOCK)
+        in_out = i < max_new
+        pos = L + i
+        valid = in_out & (i < n) & (pos < max_ctx) & (pos >= 0)
+        ordinal = tl.where(valid, pos, 0) // P
+        in_table = valid & (ordinal >= first) & (ordinal < ext)
+        pg = tl.load(tab_row + (ordinal % C) * s_tm, mask=in_table, other=-1)
+        pg = tl.where(in_table, pg, -1)
         off = tl.where(valid, pos % P, -1)
+        tl.store(spage_ptr + row * max_new + i, pg.to(tl.int32), mask=in_out)
         tl.store(soff_ptr + row * max_new + i, off.to(tl.int32), mask=in_out)
 
 

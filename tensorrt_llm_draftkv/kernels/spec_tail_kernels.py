@@ -373,9 +373,21 @@ def _prepare_ring(
     return out
 
 
-#: The ring form's ring order (``_ring_kernel.py``) where the read row fits the ring; False: read-row
-#: order everywhere. ``benchmarks.ring_step`` times both in one run.
-RING_COLUMN_ORDER = True
+#: The ring form's largest block on a GPU, one entry per thread (``num_warps = block / 32``). Its
+#: gathers from the ring wait on two rounds of scalar reads, so the replay is latency-bound: a
+#: program of 128 threads has 8x the loads in flight of the one-warp, 256-entry program the
+#: generic sizing gives, and replays 8-12 % faster (H100, ``benchmarks.ring_step``).
+RING_BLOCK = 128
+
+
+def ring_launch_size(B: int, out_w: int, block: Optional[int], num_warps: Optional[int], compiled: bool) -> tuple[int, int]:
+    """``(block, num_warps)`` of the ring form's launch: read-row columns per program and its warps.
+    Compiled, by default at most ``RING_BLOCK`` columns and one column per thread; interpreted, the
+    generic big blocks. A caller's ``block`` or ``num_warps`` is kept."""
+    blk = pick_block(B, out_w, block, not compiled)
+    if compiled and block is None:
+        blk = min(blk, RING_BLOCK)
+    return blk, num_warps or (max(1, min(8, blk // 32)) if compiled else warps_for(blk))
 
 
 def ring_launch(
@@ -386,11 +398,7 @@ def ring_launch(
     C = tables.shape[1]
     B = tensors[2].shape[0]
     out_w = out.read_rows.shape[1]
-    # ring order (two rounds of dependent reads instead of three) needs each read-row column to come
-    # from one ring column: a read row no wider than the ring
-    by_ring = RING_COLUMN_ORDER and out_w <= C
-    span = C if by_ring else out_w
-    blk = pick_block(B, span, block, tables.device.type != "cuda")
+    blk, warps = ring_launch_size(B, out_w, block, num_warps, tables.device.type == "cuda")
     args = (
         tables, vec(tensors[1]), vec(tensors[3]), vec(tensors[2]), *(vec(t) for t in tensors[4:]),
         out.read_rows, out.read_lens, out.query_pos, out.store_pages, out.store_offsets, out.new_ctx_len,
@@ -403,10 +411,9 @@ def ring_launch(
         QBLOCK=next_pow2(max(kw["block_size"], 1)),
         NBLOCK=next_pow2(max(kw["max_new"], 1)),
         WINDOWED=kw["read_window"] is not None,
-        COLUMN_ORDER=by_ring,
-        num_warps=num_warps or warps_for(blk),
+        num_warps=warps,
     )
-    return (B, max(1, -(-span // blk))), args, meta
+    return (B, max(1, -(-out_w // blk))), args, meta
 
 
 def _launch_prepare(

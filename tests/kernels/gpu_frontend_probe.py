@@ -23,7 +23,7 @@ from tensorrt_llm_draftkv.kernels import _triton_kernels
 
 INT32_POINTERS = {"off_ptr", "tab_ptr", "rows_ptr", "spage_ptr", "soff_ptr", "out_ptr", "k_ptr"}
 FLAGS = {"SPLIT": (1, 3), "UNIT_COL": (True, False), "FULL_ROWS": (True, False), "SRC_TILES": (True, False),
-         "WINDOWED": (True, False), "WIDE_COL": (False, True), "DIV_SHIFT": (1, -1), "BACKEND_CPP": (True, False), "COLUMN_ORDER": (True, False)}
+         "WINDOWED": (True, False), "WIDE_COL": (False, True), "DIV_SHIFT": (1, -1), "BACKEND_CPP": (True, False)}
 FIXED = {"P": 32, "BLOCK": 128, "SCAN": 256, "QBLOCK": 16, "NBLOCK": 16, "ROW_ALIGN": 4, "COMPILED": True}
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorrt_llm_draftkv.kernels import spec_tail_kernels
 from tensorrt_llm_draftkv.kernels import (
     PagedLatentPrep,
     prepare_paged_latent,
@@ -88,31 +87,24 @@ def run_case(seed: int, window, impl, device: str = "cpu", max_ctx: int | None =
     check_equal(ref, want, width)
 
 
-@pytest.fixture(params=["ring order", "read-row order"])
-def order(request, monkeypatch):
-    """Both orders of the kernel's work (`_ring_kernel.py`); a read row wider than the ring
-    (window 120: 16 columns against C 12) takes the read-row order under either."""
-    monkeypatch.setattr(spec_tail_kernels, "RING_COLUMN_ORDER", request.param == "ring order")
-    return request.param
-
-
 @pytest.mark.parametrize("window", [None, 16, 40, 120])
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 @pytest.mark.parametrize("seed", range(8))
-def test_ring_form_equals_the_two_step_form_on_the_decoded_rows(seed, impl, window, order):
+def test_ring_form_equals_the_two_step_form_on_the_decoded_rows(seed, impl, window):
+    """Window 120 reads 16 columns, wider than the ring's 12."""
     run_case(seed, window, impl)
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
-def test_ring_form_clamps_stores_at_max_ctx(impl, order):
+def test_ring_form_clamps_stores_at_max_ctx(impl):
     for seed in range(4):
         run_case(100 + seed, 24, impl, max_ctx=60)
 
 
-@pytest.mark.parametrize("block", [4, 8, 16])
-def test_ring_order_splits_the_ring_over_programs(block, order):
-    """Ring columns spread over several programs (C 12 in blocks of 4 and 8): each read-row column
-    and store target is written by the program that loaded its ring column, once."""
+@pytest.mark.parametrize("block", [2, 4, 16])
+def test_ring_form_split_over_programs(block):
+    """A read row split over several programs (6 columns in blocks of 2 and 4): chunk 0 alone writes
+    the row's scalars and store targets, every chunk its own columns."""
     for seed in range(6):
         ring_args, oracle_args, _ = random_step(200 + seed)
         kw = dict(block_size=BS, tokens_per_block=P, max_ctx=10_000, max_new=MAX_NEW, read_window=40)
@@ -144,5 +136,21 @@ def test_ring_form_refuses_bad_arguments_before_writing():
 @pytest.mark.cuda
 @pytest.mark.parametrize("window", [None, 16, 120])
 @pytest.mark.parametrize("seed", range(4))
-def test_ring_form_on_cuda(seed, window, order):
+def test_ring_form_on_cuda(seed, window):
     run_case(seed, window, None, device="cuda")
+
+
+def test_ring_launch_size_on_a_gpu_is_one_column_per_thread():
+    """Compiled: at most `RING_BLOCK` columns a program, a warp per 32 of them (the sizing the H100
+    replays timed fastest); interpreted: the generic big block; a caller's sizes are kept."""
+    from tensorrt_llm_draftkv.kernels.spec_tail_kernels import RING_BLOCK, ring_launch_size
+
+    for B in (1, 8, 64, 256, 4096):
+        for out_w in (3, 33, 129, 257, 1025):
+            blk, warps = ring_launch_size(B, out_w, None, None, True)
+            assert blk <= RING_BLOCK and blk & (blk - 1) == 0, (B, out_w, blk)
+            assert warps == max(1, blk // 32), (B, out_w, blk, warps)
+            assert ring_launch_size(B, out_w, None, None, False)[0] >= min(blk, out_w)
+    assert ring_launch_size(64, 129, None, None, True) == (128, 4)
+    assert ring_launch_size(64, 129, 256, None, True) == (256, 8)
+    assert ring_launch_size(64, 129, None, 2, True) == (128, 2)
