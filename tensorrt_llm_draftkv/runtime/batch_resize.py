@@ -45,22 +45,27 @@ def resize_in_order(
     """Resize `caches[i]` to `sizes[i]` in order, exactly as consecutive `resize` calls would (same
     pages, same free-list order, same journal entries where one is open), when `plan_in_order`
     shows every one succeeds. False, changing nothing, otherwise."""
-    checked = _check_in_order(groups, caches, sizes)
+    checked = _check_in_order(groups, caches, sizes, one_page=True)
     if checked is None:
         return False
     for cache, (capacity, history, plan) in zip(caches, checked):
         if plan is None:
             cache.move_cursors(capacity, history)
+        elif plan.__class__ is int:
+            cache.take_one_page_step(plan, capacity, history)
         else:
             cache.apply_plan(plan)
     return True
 
 
 def _check_in_order(
-    groups: Sequence[LayerGroup], caches: Sequence[KVCache], sizes: Sequence[tuple[int | None, int | None]]
-) -> list[tuple[int, int, ResizePlan | None]] | None:
+    groups: Sequence[LayerGroup], caches: Sequence[KVCache], sizes: Sequence[tuple[int | None, int | None]],
+    one_page: bool = False,
+) -> list[tuple[int, int, ResizePlan | int | None]] | None:
     """`plan_in_order`'s answer as (capacity, history, plan) per cache, plan None where only the cursors
-    move: the usual step, answered from `KVCache.cursor_range` without building a plan."""
+    move: the usual step, answered from `KVCache.cursor_range` without building a plan. `one_page`:
+    a one-group cache's page crossing is answered as `KVCache.one_page_step`'s 1 or -1 instead of a
+    plan (the step where every request crosses a page then builds no plan at all)."""
     if len({id(c) for c in caches}) != len(caches) or not plain_pools(groups):
         return None
     # Groups may share one pool: one balance (free pages left) per distinct pool, by slot.
@@ -81,6 +86,14 @@ def _check_in_order(
                 and cache.history_length <= history <= span.history_max):
             append((capacity, history, None))
             continue
+        if one_page and len(slot_of) == 1:
+            step = cache.one_page_step(capacity, history)
+            if step:
+                balance[0] -= step  # a page taken (1) or given back (-1)
+                if balance[0] < 0:
+                    return None
+                append((capacity, history, step))
+                continue
         plan = cache.plan_resize(capacity, history)
         if plan is None:
             return None

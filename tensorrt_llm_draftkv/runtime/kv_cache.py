@@ -193,6 +193,62 @@ class KVCache:
         else:
             self._carry_out(plan.capacity, plan.history, plan.plans)
 
+    def one_page_step(self, capacity: int, history: int) -> int:
+        """Is this resize a page crossing of a one-group windowed cache (the shape of nearly every
+        generation step that changes a row)? 1: the row grows by one ordinal at its end, which gets a
+        page; -1: the window gives back the page of one ordinal (the settled mark's) and the row keeps
+        its length; 0: any other resize, or sizes `resize` would refuse (take `plan_resize`).
+
+        Tokens, as `resize`. Changes nothing; exactly what `plan_resize` would plan, answered without
+        building the plan. A cache with an open journal answers 0 (its undo record needs the plan)."""
+        if len(self._rows) != 1 or self._journal is not None or self.closed:
+            return 0
+        if not self.history_length <= history <= capacity:
+            return 0
+        life_cycle = self._life_cycles[0]
+        window = life_cycle.window
+        if window is None:
+            return 0
+        P = self.tokens_per_block
+        row = self._rows[0]
+        n = len(row)
+        # `plan_group_resize`'s stale range [lo, hi), as it computes it
+        lo = -(-history // P)
+        if life_cycle.sink_blocks < lo:
+            lo = life_cycle.sink_blocks
+        hi = (history + 1 - window) // P
+        if hi < lo:
+            hi = lo
+        blocks = -(-capacity // P)
+        settled = self._settled[0]
+        if blocks == n + 1:  # one ordinal more, and no ordinal newly stale
+            return 1 if hi <= (settled if settled < n else n) else 0
+        if blocks == n and lo <= settled < n and hi == settled + 1 and row[settled] != BAD_PAGE_INDEX:
+            return -1  # exactly the settled ordinal goes stale, and it holds a page
+        return 0
+
+    def take_one_page_step(self, step: int, capacity: int, history: int) -> None:
+        """Carry out a `one_page_step` answer (1 or -1) of this cache's current state, its pool able to
+        give the page: exactly what `resize(capacity, history)` would do (same page, same log chunk)."""
+        row = self._rows[0]
+        pool = self.groups[0].pool
+        if step > 0:
+            o = len(row)
+            pages = pool.allocate(1, owner=self.owner)
+            row.append(pages[0])
+            self._held[0] += 1  # the settled mark stays (it never passes the row's length)
+            self.changes.record((0, [o], pages))
+        else:
+            o = self._settled[0]
+            pool.release([row[o]], owner=self.owner)
+            row[o] = BAD_PAGE_INDEX
+            self._held[0] -= 1
+            self._settled[0] = o + 1
+            self.changes.record((0, [o], None))
+        self.version += 1
+        self.capacity = capacity
+        self.history_length = history
+
     def cursor_range(self) -> CursorRange:
         """Which sizes only move the cursors from the current rows (`resize_plan.cursor_range`),
         kept until the version changes. A closed cache admits no size."""

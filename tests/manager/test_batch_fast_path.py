@@ -220,3 +220,74 @@ def test_a_generation_batch_naming_a_request_twice_is_refused_and_changes_nothin
     with pytest.raises(ValueError, match=r"requests \[2\] appear more than once"):
         mgr.prepare_resources(ScheduledRequests(generation_requests=[reqs[1], reqs[0], reqs[1]]))
     assert _state(mgr) == before
+
+
+def _one_group_caches(window: int, sinks: int, pages: int, count: int) -> tuple[list[LayerGroup], list[KVCache]]:
+    groups = [LayerGroup(LifeCycle(window, sink_blocks=sinks), PagePool(pages, tokens_per_block=P, head_dim=1))]
+    caches = [KVCache(groups, P, name=f"r{i}", owner=i) for i in range(count)]
+    for cache in caches:
+        cache.changes.start(set())
+    return groups, caches
+
+
+def _full_state(groups: list[LayerGroup], caches: list[KVCache]) -> tuple:
+    """What the resizes left, the change logs (drained) and the counters a mirror reads included."""
+    return (tuple(c.checkpoint() for c in caches), groups[0].pool.state(),
+            tuple(tuple((g, list(o), None if p is None else list(p)) for g, o, p in c.changes.drain()) for c in caches),
+            tuple(c.num_held_pages() for c in caches), tuple(c.version for c in caches))
+
+
+@settings(deadline=None, max_examples=200)
+@given(
+    window=st.integers(P, 5 * P),
+    sinks=st.integers(0, 1),
+    pages=st.integers(4, 40),
+    prompts=st.lists(st.integers(1, 40), min_size=1, max_size=5),
+    steps=st.lists(st.lists(st.tuples(st.integers(0, 2 * P), st.integers(0, 2 * P)), min_size=5, max_size=5),
+                   min_size=1, max_size=16),
+)
+def test_a_page_crossing_taken_in_one_step_is_the_resize_it_replaces(window, sinks, pages, prompts, steps):
+    """`resize_in_order` answers one-group windowed page crossings without a plan
+    (`KVCache.one_page_step`): the same rows, settled marks, pool free list, change-log chunks, held
+    counts and versions as consecutive `resize` calls, with pools running short mid-batch."""
+    fast_groups, fast = _one_group_caches(window, sinks, pages, len(prompts))
+    slow_groups, slow = _one_group_caches(window, sinks, pages, len(prompts))
+    for caches in (fast, slow):
+        for cache, prompt in zip(caches, prompts):
+            cache.resize(prompt, 0)
+    taken = 0
+    for moves in steps:
+        # capacity and history each grow by a few tokens (history never past capacity): crossings of
+        # one page at either end, several at once, and steps inside a page
+        sizes = []
+        for cache, (grow, advance) in zip(fast, moves):
+            capacity = cache.capacity + grow
+            sizes.append((capacity, min(capacity, cache.history_length + advance)))
+        done = batch_resize.resize_in_order(fast_groups, fast, sizes)
+        if done:
+            taken += sum(c.one_page_step(*size) != 0 for c, size in zip(slow, sizes))
+            for cache, (capacity, history) in zip(slow, sizes):
+                assert cache.resize(capacity, history)
+        assert _full_state(fast_groups, fast) == _full_state(slow_groups, slow)
+
+
+def test_the_two_page_crossings_are_the_only_steps_taken_without_a_plan():
+    groups, caches = _one_group_caches(8, 0, 16, 1)
+    cache = caches[0]
+    cache.resize(8, 0)  # ordinals 0, 1
+    assert cache.one_page_step(9, 0) == 1  # ordinal 2 at the end
+    assert cache.one_page_step(13, 0) == 0  # two ordinals more: a plan
+    cache.resize(16, 11)  # history 11 in a window of 8: ordinal 0 stale, (11 + 1 - 8) // 4 = 1
+    assert cache.block_row(0)[0] == -1 and cache.settled_blocks(0) == 1
+    assert cache.one_page_step(16, 15) == -1  # (15 + 1 - 8) // 4 = 2: ordinal 1 goes stale
+    assert cache.one_page_step(16, 19) == 0  # ordinals 1 and 2 at once: a plan
+    assert cache.one_page_step(16, 8) == 0  # history going back: resize refuses it
+    assert cache.one_page_step(17, 8) == 0  # the same with a page more
+    assert cache.one_page_step(12, 15) == 0  # history past capacity: resize refuses it
+    assert cache.one_page_step(8, 8) == 0  # a shrink
+    cache.begin_journal()
+    assert cache.one_page_step(16, 15) == 0  # the journal's undo record needs the plan
+    _, (sunk,) = _one_group_caches(8, 1, 16, 1)
+    sunk.resize(12, 0)
+    # a sink block: ordinal 0 is never stale, though the stale range's end (1) is one past the settled mark
+    assert sunk.one_page_step(12, 4) == 0
