@@ -197,10 +197,12 @@ class KVCache:
         """Is this resize a page crossing of a one-group windowed cache (the shape of nearly every
         generation step that changes a row)? 1: the row grows by one ordinal at its end, which gets a
         page; -1: the window gives back the page of one ordinal (the settled mark's) and the row keeps
-        its length; 0: any other resize, or sizes `resize` would refuse (take `plan_resize`).
+        its length; 0: take `plan_resize` (any other resize, a crossing these comparisons leave to the
+        plan, such as one beside a sink block, or sizes `resize` would refuse).
 
-        Tokens, as `resize`. Changes nothing; exactly what `plan_resize` would plan, answered without
-        building the plan. A cache with an open journal answers 0 (its undo record needs the plan)."""
+        Tokens, as `resize`. Changes nothing; 1 and -1 are exactly what `plan_resize` would plan,
+        answered without building the plan. A cache with an open journal answers 0 (its undo record
+        needs the plan)."""
         if len(self._rows) != 1 or self._journal is not None or self.closed:
             return 0
         if not self.history_length <= history <= capacity:
