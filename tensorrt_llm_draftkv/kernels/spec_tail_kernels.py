@@ -374,9 +374,9 @@ def _prepare_ring(
 
 
 #: The ring form's largest block on a GPU, one entry per thread (``num_warps = block / 32``). Its
-#: gathers from the ring wait on two rounds of scalar reads, so the replay is latency-bound: a
-#: program of 128 threads has 8x the loads in flight of the one-warp, 256-entry program the
-#: generic sizing gives, and replays 8-12 % faster (H100, ``benchmarks.ring_step``).
+#: gathers from the ring wait on two rounds of scalar reads, so the replay is latency-bound: spread
+#: over 128-thread programs, one entry a thread, it replays 8-12 % faster than in the one-warp,
+#: 256-entry programs the generic sizing gives (H100 sweep of blocks and warps, ``benchmarks.ring_step``).
 RING_BLOCK = 128
 
 
