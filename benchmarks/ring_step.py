@@ -90,8 +90,8 @@ def bench(B: int, prompt: int, dev: torch.device, generic: bool = False) -> dict
     bound = K.BoundRingPreparation(pages, extent, rows, first, *vectors, out=out, **kw, **tune)
     bound()
     assert bound.is_bound
-    return {"B": B, "prompt": prompt, "launch": "generic" if generic else "ring", "ring_us": direct * 1e3, "graph_us": replay * 1e3, "copy_us": copy * 1e3,
-            "copy_graph_us": copy_replay * 1e3,
+    return {"B": B, "prompt": prompt, "launch": "generic" if generic else "ring", "ring_us": direct * 1e3,
+            "graph_us": replay * 1e3, "copy_us": copy * 1e3, "copy_graph_us": copy_replay * 1e3,
             "host_us": _host_us(call), "bound_us": _host_us(bound), "copy_host_us": _host_us(lambda: dst.copy_(src))}
 
 

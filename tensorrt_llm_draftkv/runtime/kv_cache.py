@@ -14,7 +14,7 @@ from .layer_group import LayerGroup
 from .page_pool import BAD_PAGE_INDEX
 from .prefix_cache import PageKey
 from .prefix_keys import PrefixKeys, adoption_settled
-from .resize_plan import CursorRange, GroupPlan, ResizePlan, ceil_div, cursor_range, plan_group_resize
+from .resize_plan import CursorRange, GroupPlan, ResizePlan, ceil_div, cursor_range, one_page_crossing, plan_group_resize
 
 
 class _Undo(NamedTuple):
@@ -195,39 +195,18 @@ class KVCache:
 
     def one_page_step(self, capacity: int, history: int) -> int:
         """Is this resize a page crossing of a one-group windowed cache (the shape of nearly every
-        generation step that changes a row)? 1: the row grows by one ordinal at its end, which gets a
-        page; -1: the window gives back the page of one ordinal (the settled mark's) and the row keeps
-        its length; 0: take `plan_resize` (any other resize, a crossing these comparisons leave to the
-        plan, such as one beside a sink block, or sizes `resize` would refuse).
-
-        Tokens, as `resize`. Changes nothing; 1 and -1 are exactly what `plan_resize` would plan,
-        answered without building the plan. A cache with an open journal answers 0 (its undo record
-        needs the plan)."""
+        generation step that changes a row)? `resize_plan.one_page_crossing`'s answer: 1, one page taken
+        at the row's end; -1, the window's oldest page given back; 0, take `plan_resize` (also for sizes
+        `resize` would refuse, and for a cache with an open journal, whose undo record needs the plan).
+        Tokens, as `resize`; changes nothing."""
         if len(self._rows) != 1 or self._journal is not None or self.closed:
             return 0
         if not self.history_length <= history <= capacity:
             return 0
-        life_cycle = self._life_cycles[0]
-        window = life_cycle.window
-        if window is None:
-            return 0
-        P = self.tokens_per_block
-        row = self._rows[0]
-        n = len(row)
-        # `plan_group_resize`'s stale range [lo, hi), as it computes it
-        lo = -(-history // P)
-        if life_cycle.sink_blocks < lo:
-            lo = life_cycle.sink_blocks
-        hi = (history + 1 - window) // P
-        if hi < lo:
-            hi = lo
-        blocks = -(-capacity // P)
-        settled = self._settled[0]
-        if blocks == n + 1:  # one ordinal more, and no ordinal newly stale
-            return 1 if hi <= (settled if settled < n else n) else 0
-        if blocks == n and lo <= settled < n and hi == settled + 1 and row[settled] != BAD_PAGE_INDEX:
-            return -1  # exactly the settled ordinal goes stale, and it holds a page
-        return 0
+        row, settled = self._rows[0], self._settled[0]
+        backed = settled < len(row) and row[settled] != BAD_PAGE_INDEX
+        return one_page_crossing(len(row), settled, backed, self._life_cycles[0], self.tokens_per_block,
+                                 capacity, history)
 
     def take_one_page_step(self, step: int, capacity: int, history: int) -> None:
         """Carry out a `one_page_step` answer (1 or -1) of this cache's current state, its pool able to

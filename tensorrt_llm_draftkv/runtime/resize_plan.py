@@ -108,6 +108,27 @@ def plan_group_resize(
     return tuple.__new__(GroupPlan, (release, clear, allocate, num_blocks, new_settled))
 
 
+def one_page_crossing(
+    row_len: int, settled: int, settled_backed: bool, life_cycle: LifeCycle, tokens_per_block: int,
+    capacity: int, history: int,
+) -> int:
+    """Is the resize of a windowed row (`row_len` block ordinals, settled below `settled`, that ordinal
+    backed or not) to `capacity` tokens with `history` of them history one of the two page crossings
+    of a generation step, and which? 1: `plan_group_resize` would allocate the one new ordinal at the
+    row's end and nothing else; -1: it would release the settled ordinal's page and nothing else, the
+    settled mark moving past it; 0: anything else (take the plan). Valid sizes (history within
+    capacity, not decreasing) are the caller's to check."""
+    if life_cycle.window is None:
+        return 0
+    lo, hi = life_cycle.stale_range(history, tokens_per_block)
+    blocks = -(-capacity // tokens_per_block)
+    if blocks == row_len + 1:  # one ordinal more, and no ordinal newly stale
+        return 1 if hi <= min(settled, row_len) else 0
+    if blocks == row_len and lo <= settled < row_len and hi == settled + 1 and settled_backed:
+        return -1  # exactly the settled ordinal goes stale, and it holds a page
+    return 0
+
+
 def cursor_range(
     row_lengths: Sequence[int], settled: Sequence[int], life_cycles: Sequence[LifeCycle], tokens_per_block: int
 ) -> tuple[int, int, int]:
@@ -136,4 +157,4 @@ def cursor_range(
     return (n - 1) * P, n * P, history_max
 
 
-__all__ = ["CursorRange", "GroupPlan", "ResizePlan", "ceil_div", "cursor_range", "plan_group_resize"]
+__all__ = ["CursorRange", "GroupPlan", "ResizePlan", "ceil_div", "cursor_range", "one_page_crossing", "plan_group_resize"]
