@@ -218,6 +218,14 @@ def _check_step_vectors(
     check_int("slot_ctx_len", slot_ctx_len, 1)
     check_int("slot_base_pages", slot_base_pages, 1, slot_ctx_len.shape)
     check_int("num_new", num_new, 1, (B,))
+    return check_step_sizes(block_size=block_size, tokens_per_block=tokens_per_block, max_ctx=max_ctx,
+                            max_new=max_new, read_window=read_window)
+
+
+def check_step_sizes(
+    *, block_size: int, tokens_per_block: int, max_ctx: int, max_new: int, read_window: Optional[int] = None
+) -> dict:
+    """The four sizes and ``read_window`` of a step preparation (every form), as plain ints."""
     kw = dict(block_size=int(block_size), tokens_per_block=int(tokens_per_block), max_ctx=int(max_ctx),
               max_new=int(max_new))
     if kw["tokens_per_block"] < 1:

@@ -6,6 +6,14 @@ block ordinal ``o`` at column ``o % C`` inside its live span ``[first[r], extent
 everything else is as the two-step body (``_prepare_kernel.py``, layout conventions in
 ``_triton_kernels.py``): grid ``(B, chunks of the read row)``, chunk 0 writes the
 row's scalars and store targets.
+
+``STAGED``: the host already knows every per-row scalar the step needs (the table row, its
+live span, the slot's base and length, the accepted count) and stages them as one int64
+``[B, ROW_SCALARS]`` buffer, passed as ``trow_ptr``. The program then reads them in one round
+instead of two dependent ones (batch row -> table row and slot -> their values), so the
+ring's pages are the second and last round of reads. ``ctx_ptr`` is then written, not read:
+chunk 0 stores the row's new length at its slot (``WRITE_CTX``), which saves the host a
+scatter launch; nothing in the launch reads it, so no program races with that store.
 """
 from __future__ import annotations
 
@@ -16,9 +24,9 @@ def ring_kernel(
     tab_ptr,  # [R, C] int32 ring (strided)
     ext_ptr,  # [R] extents, absolute ordinals
     first_ptr,  # [R] first live ordinal of each table row
-    trow_ptr,  # [B] table row of each batch row
+    trow_ptr,  # [B] table row of each batch row (STAGED: int64 [B, 8], the rows' staged scalars)
     slot_ptr,  # [B] slot id per row
-    ctx_ptr,  # [num_slots] slot context length L (absolute positions)
+    ctx_ptr,  # [num_slots] slot context length L (absolute positions; WRITE_CTX: int64, written)
     basep_ptr,  # [num_slots] slot base pages
     new_ptr,  # [B] accepted tokens stored this step
     rows_ptr,  # out: int32 [B, out_w]
@@ -42,16 +50,29 @@ def ring_kernel(
     QBLOCK: tl.constexpr,
     NBLOCK: tl.constexpr,
     WINDOWED: tl.constexpr,
+    STAGED: tl.constexpr = False,
+    WRITE_CTX: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    r = tl.load(trow_ptr + row).to(tl.int64)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    first = tl.load(first_ptr + r).to(tl.int64)
-    ext = tl.load(ext_ptr + r).to(tl.int64)
-    base = tl.load(basep_ptr + slot).to(tl.int64)
-    L = tl.load(ctx_ptr + slot).to(tl.int64)
-    n = tl.load(new_ptr + row).to(tl.int64)
+    if STAGED:
+        # columns of a row's staged scalars: see `kernels.staged_ring.ROW_SCALARS`
+        sc = trow_ptr + row * 8
+        r = tl.load(sc)
+        first = tl.load(sc + 1)
+        ext = tl.load(sc + 2)
+        base = tl.load(sc + 3)
+        L = tl.load(sc + 4)
+        n = tl.load(sc + 5)
+        slot = tl.load(sc + 6)
+    else:
+        r = tl.load(trow_ptr + row).to(tl.int64)
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        first = tl.load(first_ptr + r).to(tl.int64)
+        ext = tl.load(ext_ptr + r).to(tl.int64)
+        base = tl.load(basep_ptr + slot).to(tl.int64)
+        L = tl.load(ctx_ptr + slot).to(tl.int64)
+        n = tl.load(new_ptr + row).to(tl.int64)
     ext = tl.minimum(tl.maximum(ext, 0), first + C)
     new_ctx = tl.minimum(L + n, max_ctx.to(tl.int64))
     if WINDOWED:
@@ -71,6 +92,8 @@ def ring_kernel(
     if chunk == 0:
         lens = tl.minimum(tl.maximum(new_ctx - base * P, 0), (ext - shift) * P)
         tl.store(nctx_ptr + row, new_ctx)
+        if WRITE_CTX:
+            tl.store(ctx_ptr + slot, new_ctx)  # int64 (checked by the host)
         tl.store(lens_ptr + row, lens)
         tl.store(shift_ptr + row, shift)
 

@@ -42,6 +42,9 @@ _BODIES = {
     "prepare_paged_latent": prepare_kernel,
     "prepare_paged_latent_one_pass": one_pass_kernel,
     "prepare_paged_latent_ring": ring_kernel,
+    # the same body with its per-row scalars staged by the host (``STAGED``): a name of its own, so
+    # launches are counted apart and each form keeps its own compiled variants
+    "prepare_ring_staged": ring_kernel,
 }
 
 # ``max_ctx`` is converted with ``.to`` inside the body, so it must stay a
@@ -52,6 +55,7 @@ _NO_SPECIALIZE = {
     "rebase_block_table": [],
     "prepare_paged_latent": ["max_ctx"],
     "prepare_paged_latent_ring": ["max_ctx"],
+    "prepare_ring_staged": ["max_ctx"],
     # every integer stays a runtime value: the fast launcher's cache key then only
     # needs each integer's width (alignment hints are explicit constexprs)
     "prepare_paged_latent_one_pass": [

@@ -64,6 +64,18 @@ class BoundLaunch:
     def _checked(self) -> PagedLatentPrep:
         raise NotImplementedError
 
+    def _resolve_launch(self, device: torch.device, grid: tuple[int, int], args: tuple, meta: dict) -> Optional[tuple]:
+        """``(run, grid, device index, launcher args)`` of this kernel's compiled launch over checked
+        ``args`` and ``meta`` (None where the fast launcher cannot take it)."""
+        from . import _triton_kernels as _tk
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        resolved = _fl.resolve(_tk.get_kernel(self.kernel, False), index, args, meta)
+        if resolved is None:
+            return None
+        run, launcher_args = resolved
+        return run, grid, index, launcher_args
+
 
 class BoundPreparation(BoundLaunch):
     """``prepare_paged_latent``'s one-pass form over fixed tensors; calling it launches the step.

@@ -24,7 +24,6 @@ from typing import Optional
 import torch
 
 from . import _launch as _fl
-from . import _triton_kernels as _tk
 from . import spec_tail_kernels as _api
 from ._checks import check_ring
 from .bound_preparation import BoundLaunch
@@ -86,14 +85,9 @@ class BoundRingPreparation(BoundLaunch):
         dev = self.tensors[0].device
         if dev.type != "cuda" or not _fl.ENABLED or self._tune["impl"] == "reference" or self.tensors[2].numel() == 0:
             return None
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
         _, kw = check_ring(self.tensors, out=self.out, **self._step)
         grid, args, meta = _api.ring_launch(self.tensors, self.out, kw, self._tune["block"], self._tune["num_warps"])
-        resolved = _fl.resolve(_tk.get_kernel(_RING, False), index, args, meta)
-        if resolved is None:
-            return None
-        run, launcher_args = resolved
-        return run, grid, index, launcher_args
+        return self._resolve_launch(dev, grid, args, meta)
 
 
 __all__ = ["BoundRingPreparation"]

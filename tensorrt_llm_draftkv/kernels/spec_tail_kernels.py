@@ -405,15 +405,21 @@ def ring_launch(
         out.shift, C, kw["max_ctx"], kw["block_size"], kw["max_new"], tables.stride(0), tables.stride(1),
         out.read_rows.stride(0), kw["read_window"] or 0, out_w,
     )
-    meta = dict(
+    return (B, max(1, -(-out_w // blk))), args, ring_meta(kw, blk, warps)
+
+
+def ring_meta(kw: dict, blk: int, warps: int, *, staged: bool = False, write_ctx: bool = False) -> dict:
+    """The ring body's constexprs and warps (``staged``, ``write_ctx``: its host-staged form, ``staged_ring.py``)."""
+    return dict(
         P=kw["tokens_per_block"],
         BLOCK=blk,
         QBLOCK=next_pow2(max(kw["block_size"], 1)),
         NBLOCK=next_pow2(max(kw["max_new"], 1)),
         WINDOWED=kw["read_window"] is not None,
+        STAGED=staged,
+        WRITE_CTX=write_ctx,
         num_warps=warps,
     )
-    return (B, max(1, -(-out_w // blk))), args, meta
 
 
 def _launch_prepare(

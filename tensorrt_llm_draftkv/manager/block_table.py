@@ -48,6 +48,11 @@ class RingTables:
     first: torch.Tensor
     extent: torch.Tensor
     rows: torch.Tensor
+    #: the same ``first``, ``extent`` and ``rows`` as host arrays (the table's mirror, equal to the
+    #: device tensors in stream order): what a launch that stages its per-row scalars reads
+    host_first: np.ndarray | None = None
+    host_extent: np.ndarray | None = None
+    host_rows: np.ndarray | None = None
 
 
 @dataclass
@@ -130,7 +135,7 @@ class DeviceBlockTable:
         #: the batch of the last full membership check (`sync`): the same lists again need none
         self._checked: tuple[list[int], list[KVCache]] = ([], [])
         self._free_rows = list(range(rows - 1, -1, -1))
-        self._rows_cache: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._rows_cache: tuple[tuple[int, ...], torch.Tensor, np.ndarray] | None = None
         #: times a ring was re-laid out (grown): each rewrote every row
         self.relayouts = 0
         #: bumped by every sync that changed an entry; `changes_since` answers for the last few
@@ -470,20 +475,27 @@ class DeviceBlockTable:
     # -- reads --------------------------------------------------------------------------------
     def rows_tensor(self, request_ids: Sequence[int]) -> torch.Tensor:
         """int64 ``[B]`` on the device: the table row of each id (synced ids only); cached per batch."""
+        return self._rows(request_ids)[0]
+
+    def _rows(self, request_ids: Sequence[int]) -> tuple[torch.Tensor, np.ndarray]:
+        """The table row of each id, on the device and on the host; cached per batch."""
         key = tuple(request_ids)
         if self._rows_cache is not None and self._rows_cache[0] == key:
-            return self._rows_cache[1]
-        rows = torch.tensor([self._row_of[rid] for rid in key], dtype=torch.int64).to(self.device)
-        self._rows_cache = (key, rows)
-        return rows
+            return self._rows_cache[1], self._rows_cache[2]
+        host = np.array([self._row_of[rid] for rid in key], dtype=np.int64)
+        rows = torch.from_numpy(host.copy()).to(self.device)
+        self._rows_cache = (key, rows, host)
+        return rows, host
 
     def ring(self, pool: int, request_ids: Sequence[int]) -> RingTables:
         """Pool ``pool``'s ring and these requests' table rows (call `sync` for them first)."""
         p = self._pools[pool]
-        rows = self.rows_tensor(request_ids)
+        rows, host_rows = self._rows(request_ids)
+        mirror = dict(host_first=p.first, host_extent=p.extent, host_rows=host_rows)
         if not self._pushed:
-            return RingTables(torch.from_numpy(p.host), torch.from_numpy(p.first), torch.from_numpy(p.extent), rows)
-        return RingTables(p.device, p.first_dev, p.extent_dev, rows)
+            return RingTables(torch.from_numpy(p.host), torch.from_numpy(p.first), torch.from_numpy(p.extent), rows,
+                              **mirror)
+        return RingTables(p.device, p.first_dev, p.extent_dev, rows, **mirror)
 
     def host_row(self, pool: int, request_id: int) -> tuple[int, int, np.ndarray]:
         """``(first, extent, pages)`` of one request's live span in pool ``pool``, from the host mirror

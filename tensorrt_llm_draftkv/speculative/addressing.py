@@ -19,9 +19,11 @@ from itertools import repeat
 from operator import add, gt
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from ..kernels import (
+    ROW_WIDTH,
     BlockTables,
     PagedLatentPrep,
     decode_draft_block_table,
@@ -376,11 +378,16 @@ def prepare_generation(
     facts = facts if facts is not None else row_facts(rows)
     new_host = _new_lengths(slots, rows, counts, max_new, check_room, room, facts)
     consumed = dict(zip(facts.slots, counts))
+    lengths = slots.ctx_len_host  # before the step: the staged form reads them from the host
     slots.raise_bases(new_host)
-    n_t = buffers.num_new(counts) if buffers is not None else torch.tensor(counts, dtype=torch.int64,
-                                                                          device=slots.device)
     kw = dict(block_size=block_size, tokens_per_block=slots.tokens_per_block, max_new=max_new)
     windows = list(read_windows) if read_windows is not None else [None] * len(tables)
+    if buffers is not None and rows and _all_staged(tables):
+        preps = _staged_steps(slots, tables, windows, facts, lengths, counts, buffers, fused, kw)
+        slots.advance_hosts(new_host, consumed)
+        return preps
+    n_t = buffers.num_new(counts) if buffers is not None else torch.tensor(counts, dtype=torch.int64,
+                                                                          device=slots.device)
     preps = []
     for g, (bt, window) in enumerate(zip(tables, windows)):
         impl = None if fused else "reference"
@@ -404,6 +411,49 @@ def prepare_generation(
     if rows:
         slots.ctx_len.index_copy_(0, slot_ids, preps[0].new_ctx_len)
     slots.advance_hosts(new_host, consumed)
+    return preps
+
+
+def _all_staged(tables: Sequence[StepTables]) -> bool:
+    """Whether every pool's tables are a ring whose host mirror the step can stage from."""
+    return all(isinstance(bt, RingStepTables) and bt.ring.host_first is not None for bt in tables)
+
+
+def _staged_steps(
+    slots: SlotTable, tables: Sequence[StepTables], windows: list[Optional[int]], facts: RowFacts,
+    lengths: Sequence[int], counts: list[int], buffers: StepBuffers, fused: bool, kw: dict,
+) -> list[PagedLatentPrep]:
+    """Every pool's preparation in the staged ring form (``kernels.staged_ring``): each row's table row,
+    live span, slot base, slot length (before the step), count and slot staged from the host mirrors in
+    one copy, one launch per pool; pool 0's launch also writes the slots' new lengths. Rows sharing a
+    slot agree on its new length (``_new_lengths`` checked it), so their stores to it are one value."""
+    B, G = len(facts.slots), len(tables)
+    slot_of = facts.slots
+    host = np.empty((G, B, ROW_WIDTH), dtype=np.int64)
+    shared = host[0]
+    bases = slots.base_pages_host  # raised for this step already
+    shared[:, 3] = [bases[s] for s in slot_of]
+    shared[:, 4] = [lengths[s] for s in slot_of]
+    shared[:, 5] = counts
+    shared[:, 6] = slot_of
+    shared[:, 7] = 0
+    for g, bt in enumerate(tables):
+        r = bt.ring
+        rows = r.host_rows
+        if g:
+            host[g] = shared
+        host[g, :, 0] = rows
+        host[g, :, 1] = r.host_first[rows]
+        host[g, :, 2] = r.host_extent[rows]
+    scalars = buffers.row_scalars(host)
+    impl = None if fused else "reference"
+    preps = []
+    for g, (bt, window) in enumerate(zip(tables, windows)):
+        pages = bt.ring.pages
+        width = window_read_width(window, slots.tokens_per_block) if window is not None else pages.shape[1]
+        out = buffers.out(g, B, width, kw["block_size"], kw["max_new"])
+        preps.append(buffers.staged_step(g, pages, scalars[g], slots.ctx_len if g == 0 else None, out, impl=impl,
+                                         max_ctx=slots.store_limit(), read_window=window, **kw))
     return preps
 
 

@@ -5,9 +5,9 @@ step (the rows' slots, the accepted counts, the outputs) cost an allocation or a
 host-to-device copy each and defeat a bound launch. `StepBuffers` keeps them in
 capacity buffers on the slots' device, hands out views that stay the same objects
 for the same batch size, writes the slots only when they change and the counts
-with one staged copy, and keeps one `BoundRingPreparation` per pool and set of
-tensors: after the first (checked) step of a shape, a step is one driver launch per
-pool. The outputs are these buffers: a step's preparation is valid until the next
+with one staged copy (or, in the staged form, every row's scalars with one), and
+keeps one `BoundRingPreparation` or `BoundStagedRing` per pool and set of tensors:
+after the first (checked) step of a shape, a step is one driver launch per pool. The outputs are these buffers: a step's preparation is valid until the next
 step's.
 """
 from __future__ import annotations
@@ -16,7 +16,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..kernels import BoundRingPreparation, PagedLatentPrep, prepare_paged_latent
+import numpy as np
+
+from ..kernels import ROW_WIDTH, BoundRingPreparation, BoundStagedRing, PagedLatentPrep, prepare_paged_latent
+from ..kernels import prepare_ring_staged
 from ..staging import PinnedStager, staged
 
 _OUT_FIELDS = ("read_rows", "read_lens", "query_pos", "store_pages", "store_offsets", "new_ctx_len", "shift")
@@ -37,7 +40,9 @@ class StepBuffers:
         self._views: dict[tuple[str, int], torch.Tensor] = {}
         self._outs: dict[tuple, tuple[int, PagedLatentPrep]] = {}  # shape class -> (capacity, buffers)
         self._out_views: dict[tuple, PagedLatentPrep] = {}
-        self._bound: dict[tuple, BoundRingPreparation] = {}
+        self._bound: dict[tuple, BoundRingPreparation | BoundStagedRing] = {}
+        self._scalars = torch.zeros((0, 0, ROW_WIDTH), dtype=torch.int64, device=self.device)
+        self._scalar_views: dict[tuple[int, int], list[torch.Tensor]] = {}  # (pools, B) -> a view per pool
 
     # ------------------------------------------------------------------ inputs
     def slot_ids(self, slots: list[int]) -> torch.Tensor:
@@ -60,6 +65,23 @@ class StepBuffers:
             self._drop_views("num_new")
         self._copy_in(self._num_new, counts)
         return self._view("num_new", self._num_new, B)
+
+    def row_scalars(self, host: np.ndarray) -> list[torch.Tensor]:
+        """Per pool, int64 ``[B, ROW_WIDTH]`` on the device: ``host`` (int64 ``[pools, B, ROW_WIDTH]``,
+        the rows' staged scalars, ``kernels.staged_ring``) copied in with one staged copy; each pool's
+        view stays the same object for the same shape."""
+        G, B, _ = host.shape
+        if G > self._scalars.shape[0] or B > self._scalars.shape[1]:
+            cap = max(B, 2 * self._scalars.shape[1], 8)
+            self._scalars = torch.zeros((max(G, self._scalars.shape[0]), cap, ROW_WIDTH), dtype=torch.int64,
+                                        device=self.device)
+            self._scalar_views = {}
+        if B:
+            self._scalars[:G, :B].copy_(staged(host, self.device, self._stager), non_blocking=True)
+        views = self._scalar_views.get((G, B))
+        if views is None:
+            views = self._scalar_views[(G, B)] = [self._scalars[g, :B] for g in range(G)]
+        return views
 
     def _copy_in(self, buffer: torch.Tensor, values: list[int]) -> None:
         if not values:
@@ -108,6 +130,21 @@ class StepBuffers:
             if len(self._bound) >= self.MAX_BOUND:
                 self._bound.clear()
             bound = self._bound[key] = BoundRingPreparation(*tensors, out=out, impl=impl, **step)
+        return bound()
+
+    def staged_step(self, pool: int, pages: torch.Tensor, scalars: torch.Tensor, ctx_len: Optional[torch.Tensor],
+                    out: PagedLatentPrep, *, impl: Optional[str], **step: Any) -> PagedLatentPrep:
+        """Pool ``pool``'s preparation from its ring ``pages`` and the rows' staged ``scalars`` (a view from
+        :meth:`row_scalars`) into ``out``, the new lengths written to ``ctx_len`` when given: on CUDA through
+        the launch bound to these tensors, elsewhere the checked call."""
+        if not self.device.type == "cuda" or impl == "reference":
+            return prepare_ring_staged(pages, scalars, ctx_len, out=out, impl=impl, **step)
+        key = ("staged", pool, id(pages), id(scalars), id(ctx_len), id(out.read_rows), tuple(sorted(step.items())))
+        bound = self._bound.get(key)
+        if bound is None:
+            if len(self._bound) >= self.MAX_BOUND:
+                self._bound.clear()
+            bound = self._bound[key] = BoundStagedRing(pages, scalars, ctx_len, out=out, impl=impl, **step)
         return bound()
 
 

@@ -72,8 +72,10 @@ def test_eager_and_fused_preparation_are_identical_on_random_workloads(w):
 
 
 def _prepare_launches() -> int:
-    """Launches of the step's preparation kernel: the two-step form or the ring form (device block table)."""
-    return LAUNCH_COUNTS["prepare_paged_latent"] + LAUNCH_COUNTS["prepare_paged_latent_ring"]
+    """Launches of the step's preparation kernel: the two-step form or the ring form (device block table),
+    its scalars read on the device or staged by the host."""
+    return (LAUNCH_COUNTS["prepare_paged_latent"] + LAUNCH_COUNTS["prepare_paged_latent_ring"]
+            + LAUNCH_COUNTS["prepare_ring_staged"])
 
 
 def _run(fused: bool, windows, backend: str, seed: int):
