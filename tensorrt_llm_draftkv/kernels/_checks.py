@@ -168,7 +168,7 @@ def check_prepare(
     )
     dev = same_device(*tensors)
     if out is not None:
-        _check_step_out(out, B, M, kw, dev)
+        check_step_out(out, B, M, kw, dev)
     return dev, kw
 
 
@@ -198,7 +198,7 @@ def check_ring(
     )
     dev = same_device(*tensors)
     if out is not None:
-        _check_step_out(out, B, C, kw, dev)
+        check_step_out(out, B, C, kw, dev)
     return dev, kw
 
 
@@ -248,7 +248,8 @@ def read_width(kw: dict, M: int) -> int:
     return M if w is None else window_read_width(w, kw["tokens_per_block"])
 
 
-def _check_step_out(out: PagedLatentPrep, B: int, M: int, kw: dict, dev: torch.device) -> None:
+def check_step_out(out: PagedLatentPrep, B: int, M: int, kw: dict, dev: torch.device) -> None:
+    """A step preparation's `out`: each tensor's shape, dtype, device and contiguity (`M`: the table width)."""
     i32, i64, bs, n = torch.int32, torch.int64, kw["block_size"], kw["max_new"]
     if kw["read_window"] is None:
         check_out("read_rows", out.read_rows, (B, M), i32, dev)
@@ -324,7 +325,7 @@ def check_one_pass(
     )
     dev = same_device(block_offsets, *vectors)
     if out is not None:
-        _check_step_out(out, B, M, kw, dev)
+        check_step_out(out, B, M, kw, dev)
         if out.extents is None:
             raise ValueError(
                 "out.extents is None: the one-pass form also writes the extents; allocate out with "

@@ -33,7 +33,7 @@ import torch
 
 from . import _dispatch
 from . import _launch as _fl
-from ._checks import _check_step_out, check_step_sizes, check_int, read_width, same_device
+from ._checks import check_step_out, check_step_sizes, check_int, read_width, same_device
 from .bound_preparation import BoundLaunch
 from .reference import PagedLatentPrep, prepare_paged_latent_ring_reference
 
@@ -73,7 +73,7 @@ def _check(pages: torch.Tensor, row_scalars: torch.Tensor, slot_ctx_len: Optiona
         tensors = (*tensors, slot_ctx_len)
     dev = same_device(*tensors)
     if out is not None:
-        _check_step_out(out, row_scalars.shape[0], pages.shape[1], kw, dev)
+        check_step_out(out, row_scalars.shape[0], pages.shape[1], kw, dev)
     return dev, kw
 
 
