@@ -51,6 +51,9 @@ class PinnedStager:
         self._done: list[list["torch.cuda.Event"]] = [[] for _ in range(self.SEGMENTS)]
         #: claims served by the arena, and parts re-entered after waiting (tests read them)
         self.claims = 0
+        #: whether the device reads the arena in place (kernels.host_scatter): None until the first
+        #: such launch, False for good once one failed (then staged copies are used)
+        self.reads_in_place: bool | None = None
         self.turns = 0
 
     def claim(self, n: int) -> tuple[np.ndarray, torch.Tensor]:
@@ -116,8 +119,7 @@ def to_device(values: HostValues, device: torch.device | str, stager: PinnedStag
 
 def scatter_int32(memory: torch.Tensor, flat: np.ndarray, values: np.ndarray, stager: PinnedStager | None = None) -> None:
     """`memory[flat[i]] = values[i]` for a 1-D int32 tensor (distinct int64 `flat` offsets): on the CPU
-    straight into its storage, on a device as one staged buffer (the offsets, then the values two per
-    int64 slot), one asynchronous copy from pinned memory and one scatter."""
+    straight into its storage, on a device as one staged buffer (`scatter_int32_staged`)."""
     if memory.device.type == "cpu":
         memory.numpy()[flat] = values
         return
@@ -125,17 +127,57 @@ def scatter_int32(memory: torch.Tensor, flat: np.ndarray, values: np.ndarray, st
 
 
 def scatter_int32_staged(memory: torch.Tensor, flat: np.ndarray, values: np.ndarray,
-                         stager: PinnedStager | None = None) -> None:
+                         stager: PinnedStager | None = None,
+                         dense: tuple[torch.Tensor, np.ndarray] | None = None) -> None:
     """`scatter_int32`'s device form, on any device (on the CPU a test runs the GPU's packing with it):
-    `[flat offsets | values, two int32 per int64 slot]` staged as one buffer, one copy, one scatter."""
+    `[flat offsets | dense values | values, two int32 per int64 slot]` staged as one buffer.
+
+    `dense`: optionally `(target, values)`, int64 values copied whole into the 1-D `target` by the
+    same staged buffer. On a GPU whose stager's arena the device can read in place
+    (`PinnedStager.reads_in_place`), one launch reads the buffer where it is
+    (`kernels.host_scatter`); otherwise one asynchronous copy, one scatter and a copy for `dense`."""
     n = flat.size
-    if not n:  # nothing to write (and an empty int64 buffer has no int32 view)
+    m = dense[1].size if dense is not None else 0
+    if not n and not m:  # nothing to write (and an empty int64 buffer has no int32 view)
         return
-    buf = np.empty(n + (n + 1) // 2, dtype=np.int64)
-    buf[:n] = flat
-    buf[n:].view(np.int32)[:n] = values
-    on_device = to_device(buf, memory.device, stager)
-    memory.index_copy_(0, on_device[:n], on_device[n:].view(torch.int32)[:n])
+    size = n + m + (n + 1) // 2
+    in_place = stager is not None and memory.device.type == "cuda" and stager.reads_in_place is not False
+    if in_place:
+        before = stager.claims
+        host, tensor = stager.claim(size)
+        in_place = stager.claims != before  # memory of its own is freed before a kernel would read it
+    else:
+        host, tensor = np.empty(size, dtype=np.int64), None
+    host[:n] = flat
+    if m:
+        host[n : n + m] = dense[1]
+    host[n + m :].view(np.int32)[:n] = values
+    if in_place and _scatter_in_place(memory, tensor, n, m, dense, stager):
+        return
+    # a claim already made (pinned) goes as it is; otherwise the usual staging
+    on_device = (tensor.to(memory.device, non_blocking=True) if tensor is not None
+                 else to_device(host, memory.device, stager))
+    if n:
+        memory.index_copy_(0, on_device[:n], on_device[n + m :].view(torch.int32)[:n])
+    if m:
+        dense[0].copy_(on_device[n : n + m])
+
+
+def _scatter_in_place(memory: torch.Tensor, tensor: torch.Tensor, n: int, m: int,
+                      dense: tuple[torch.Tensor, np.ndarray] | None, stager: PinnedStager) -> bool:
+    """The host-read launch; False (and the stager told so for good) when this device cannot read its
+    arena, which only the first launch can find out."""
+    from .kernels.host_scatter import host_scatter
+
+    try:
+        host_scatter(memory, tensor, n, 2 * (n + m), dense[0] if dense is not None else None, m, n)
+    except (ValueError, RuntimeError):
+        if stager.reads_in_place:
+            raise
+        stager.reads_in_place = False
+        return False
+    stager.reads_in_place = True
+    return True
 
 
 __all__ = ["PinnedStager", "scatter_int32", "scatter_int32_staged", "staged", "to_device"]

@@ -30,6 +30,7 @@ import triton  # noqa: F401  (absent triton: the ImportError `_dispatch` turns i
 from triton.runtime.jit import JITFunction
 
 from ._decode_kernel import decode_kernel
+from ._host_scatter_kernel import host_scatter_kernel
 from ._one_pass_kernel import one_pass_kernel
 from ._prepare_kernel import prepare_kernel
 from ._rebase_kernel import rebase_kernel
@@ -45,6 +46,7 @@ _BODIES = {
     # the same body with its per-row scalars staged by the host (``STAGED``): a name of its own, so
     # launches are counted apart and each form keeps its own compiled variants
     "prepare_ring_staged": ring_kernel,
+    "host_scatter": host_scatter_kernel,
 }
 
 # ``max_ctx`` is converted with ``.to`` inside the body, so it must stay a
@@ -56,6 +58,8 @@ _NO_SPECIALIZE = {
     "prepare_paged_latent": ["max_ctx"],
     "prepare_paged_latent_ring": ["max_ctx"],
     "prepare_ring_staged": ["max_ctx"],
+    # sizes and offsets change every call: one compiled kernel for all of them
+    "host_scatter": ["n", "val_at", "m", "copy_at"],
     # every integer stays a runtime value: the fast launcher's cache key then only
     # needs each integer's width (alignment hints are explicit constexprs)
     "prepare_paged_latent_one_pass": [
@@ -68,6 +72,8 @@ _NO_SPECIALIZE = {
 # the fast launcher's cache key to dtypes (``rows_ptr`` stays specialised: its
 # row stores vectorise).
 _NO_ALIGN = {
+    # the staged buffer is a claim at any int64 slot of the stager's arena
+    "host_scatter": ["src64_ptr", "src32_ptr", "dst_ptr", "copy_ptr"],
     "prepare_paged_latent_one_pass": [
         "off_ptr", "slot_ptr", "ctx_ptr", "basep_ptr", "new_ptr", "lens_ptr", "qpos_ptr", "spage_ptr",
         "soff_ptr", "nctx_ptr", "shift_ptr", "ext_ptr",

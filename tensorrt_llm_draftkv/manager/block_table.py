@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..runtime import BAD_PAGE_INDEX, KVCache
-from ..staging import PinnedStager, to_device
+from ..staging import PinnedStager, scatter_int32_staged
 
 
 @dataclass
@@ -440,14 +440,14 @@ class DeviceBlockTable:
 
     def _push(self) -> None:
         """Each pool's pending entries (and first/extent, when they moved) to the device: one staged
-        host buffer, one asynchronous copy from pinned memory, one scatter and one copy."""
+        host buffer (`staging.scatter_int32_staged`: one launch that reads it in place, or one
+        asynchronous copy from pinned memory, one scatter and one copy)."""
         if not self._pushed:
             for pool in self._pools:
                 pool.pending.clear()
                 pool.scalars_dirty = False
             return
         for pool in self._pools:
-            rows = pool.host.shape[0]
             if pool.device is None or pool.device.shape != pool.host.shape:
                 pool.device = torch.from_numpy(pool.host).to(self.device, copy=True)  # a copy on the CPU too
                 pool.scalars_dev = torch.from_numpy(np.stack([pool.first, pool.extent])).to(self.device)
@@ -459,18 +459,11 @@ class DeviceBlockTable:
                 continue
             flat = np.unique(np.concatenate(pool.pending)) if pool.pending else np.empty(0, dtype=np.int64)
             pool.pending.clear()
-            n = flat.size
-            # [flat indices (n) | first (rows) | extent (rows) | the n int32 pages, two per int64 slot]
-            buf = np.empty(n + 2 * rows + (n + 1) // 2, dtype=np.int64)
-            buf[:n] = flat
-            buf[n : n + rows], buf[n + rows : n + 2 * rows] = pool.first, pool.extent
-            buf[n + 2 * rows :].view(np.int32)[:n] = pool.host.reshape(-1)[flat]
-            staged = to_device(buf, self.device, self._stager)
-            if n:
-                pool.device.view(-1).index_copy_(0, staged[:n], staged[n + 2 * rows :].view(torch.int32)[:n])
-            if pool.scalars_dirty:
-                pool.scalars_dev.copy_(staged[n : n + 2 * rows].view(2, rows))
+            dense = None
+            if pool.scalars_dirty:  # first and extent of every row, whole
+                dense = (pool.scalars_dev.view(-1), np.concatenate([pool.first, pool.extent]))
                 pool.scalars_dirty = False
+            scatter_int32_staged(pool.device.view(-1), flat, pool.host.reshape(-1)[flat], self._stager, dense)
 
     # -- reads --------------------------------------------------------------------------------
     def rows_tensor(self, request_ids: Sequence[int]) -> torch.Tensor:

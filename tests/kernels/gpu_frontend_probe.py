@@ -21,7 +21,7 @@ from triton.runtime.jit import JITFunction
 
 from tensorrt_llm_draftkv.kernels import _triton_kernels
 
-INT32_POINTERS = {"off_ptr", "tab_ptr", "rows_ptr", "spage_ptr", "soff_ptr", "out_ptr", "k_ptr"}
+INT32_POINTERS = {"off_ptr", "tab_ptr", "rows_ptr", "spage_ptr", "soff_ptr", "out_ptr", "k_ptr", "src32_ptr", "dst_ptr"}
 FLAGS = {"SPLIT": (1, 3), "UNIT_COL": (True, False), "FULL_ROWS": (True, False), "SRC_TILES": (True, False),
          "WINDOWED": (True, False), "WIDE_COL": (False, True), "DIV_SHIFT": (1, -1), "BACKEND_CPP": (True, False),
          "STAGED": (False, True), "WRITE_CTX": (False, True)}

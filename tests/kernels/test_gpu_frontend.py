@@ -28,7 +28,7 @@ def test_every_kernel_builds_for_the_gpu():
     assert done.returncode == 0 and not failed, "\n".join(failed[:10]) or done.stderr[-3000:]
     built = {line.split()[1] for line in lines if line.startswith("ok")}
     assert built == {"decode_draft_block_table", "rebase_block_table", "prepare_paged_latent",
-                     "prepare_paged_latent_one_pass", "prepare_paged_latent_ring"}
+                     "prepare_paged_latent_one_pass", "prepare_paged_latent_ring", "host_scatter"}
     assert lines[-1] == "failures: 0"
 
 
