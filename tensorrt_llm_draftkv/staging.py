@@ -15,6 +15,7 @@ one as `stager=`; without it they pin per call.
 """
 from __future__ import annotations
 
+import os
 from typing import Sequence, Union
 
 import numpy as np
@@ -51,9 +52,10 @@ class PinnedStager:
         self._done: list[list["torch.cuda.Event"]] = [[] for _ in range(self.SEGMENTS)]
         #: claims served by the arena, and parts re-entered after waiting (tests read them)
         self.claims = 0
-        #: whether the device reads the arena in place (kernels.host_scatter): None until the first
-        #: such launch, False for good once one failed (then staged copies are used)
-        self.reads_in_place: bool | None = None
+        #: whether the device reads the arena in place (kernels.host_scatter): None to try at the next
+        #: staged scatter, True once that worked, False for staged copies (for good once a try failed).
+        #: Off unless DRAFTKV_HOST_READS=1: the in-place reads have not yet run on a GPU.
+        self.reads_in_place: bool | None = None if os.environ.get("DRAFTKV_HOST_READS") == "1" else False
         self.turns = 0
 
     def claim(self, n: int) -> tuple[np.ndarray, torch.Tensor]:
@@ -133,9 +135,9 @@ def scatter_int32_staged(memory: torch.Tensor, flat: np.ndarray, values: np.ndar
     `[flat offsets | dense values | values, two int32 per int64 slot]` staged as one buffer.
 
     `dense`: optionally `(target, values)`, int64 values copied whole into the 1-D `target` by the
-    same staged buffer. On a GPU whose stager's arena the device can read in place
-    (`PinnedStager.reads_in_place`), one launch reads the buffer where it is
-    (`kernels.host_scatter`); otherwise one asynchronous copy, one scatter and a copy for `dense`."""
+    same staged buffer. On a GPU whose stager reads its arena in place (`PinnedStager.reads_in_place`,
+    off unless `DRAFTKV_HOST_READS=1`), one launch reads the buffer where it is (`kernels.host_scatter`);
+    otherwise one asynchronous copy, one scatter and a copy for `dense`."""
     n = flat.size
     m = dense[1].size if dense is not None else 0
     if not n and not m:  # nothing to write (and an empty int64 buffer has no int32 view)

@@ -91,6 +91,7 @@ def test_host_scatter_reads_a_pinned_claim_in_place_cuda(n, m):
     rng = np.random.default_rng(n + m)
     flat, values, words = _case(rng, 4096, n, m)
     stager = PinnedStager("cuda", capacity=4096)
+    stager.reads_in_place = None  # try the in-place reads (off by default until run on a GPU)
     memory = torch.full((4096,), -77, dtype=torch.int32, device="cuda")
     dense = torch.full((m + 2,), -5, dtype=torch.int64, device="cuda")
     before = LAUNCH_COUNTS["host_scatter"]
@@ -108,6 +109,7 @@ def test_in_place_reads_never_see_a_claim_written_again_cuda():
     """The device is held busy while ten turns of the arena are claimed and scattered from: every launch
     still reads its own values (a part is written again only after the work queued on it ran)."""
     stager = PinnedStager("cuda", capacity=64)  # parts of 16 slots: each claim below takes one
+    stager.reads_in_place = None
     memory = torch.full((40 * 12,), -1, dtype=torch.int32, device="cuda")
     torch.cuda._sleep(200_000_000)
     for i in range(40):
@@ -116,3 +118,10 @@ def test_in_place_reads_never_see_a_claim_written_again_cuda():
     torch.cuda.synchronize()
     assert stager.reads_in_place is True and stager.turns >= 39
     assert torch.equal(memory.cpu(), (torch.arange(40 * 12) * 7 + 1).to(torch.int32))
+
+
+def test_in_place_reads_are_off_unless_asked_for(monkeypatch):
+    monkeypatch.delenv("DRAFTKV_HOST_READS", raising=False)
+    assert PinnedStager("cpu").reads_in_place is False
+    monkeypatch.setenv("DRAFTKV_HOST_READS", "1")
+    assert PinnedStager("cpu").reads_in_place is None
