@@ -19,11 +19,9 @@ from itertools import repeat
 from operator import add, gt
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-import numpy as np
 import torch
 
 from ..kernels import (
-    ROW_WIDTH,
     BlockTables,
     PagedLatentPrep,
     decode_draft_block_table,
@@ -429,7 +427,7 @@ def _staged_steps(
     slot agree on its new length (``_new_lengths`` checked it), so their stores to it are one value."""
     B, G = len(facts.slots), len(tables)
     slot_of = facts.slots
-    host = np.empty((G, B, ROW_WIDTH), dtype=np.int64)
+    host = buffers.stage_rows(G, B)
     shared = host[0]
     bases = slots.base_pages_host  # raised for this step already
     shared[:, 3] = [bases[s] for s in slot_of]
@@ -445,7 +443,7 @@ def _staged_steps(
         host[g, :, 0] = rows
         host[g, :, 1] = r.host_first[rows]
         host[g, :, 2] = r.host_extent[rows]
-    scalars = buffers.row_scalars(host)
+    scalars = buffers.push_rows()
     impl = None if fused else "reference"
     preps = []
     for g, (bt, window) in enumerate(zip(tables, windows)):

@@ -42,7 +42,9 @@ class StepBuffers:
         self._out_views: dict[tuple, PagedLatentPrep] = {}
         self._bound: dict[tuple, BoundRingPreparation | BoundStagedRing] = {}
         self._scalars = torch.zeros((0, 0, ROW_WIDTH), dtype=torch.int64, device=self.device)
-        self._scalar_views: dict[tuple[int, int], list[torch.Tensor]] = {}  # (pools, B) -> a view per pool
+        # (pools, B) -> the whole staged block's view, then a view per pool
+        self._scalar_views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._staged_rows: Optional[tuple[int, int, torch.Tensor]] = None
 
     # ------------------------------------------------------------------ inputs
     def slot_ids(self, slots: list[int]) -> torch.Tensor:
@@ -66,22 +68,32 @@ class StepBuffers:
         self._copy_in(self._num_new, counts)
         return self._view("num_new", self._num_new, B)
 
-    def row_scalars(self, host: np.ndarray) -> list[torch.Tensor]:
-        """Per pool, int64 ``[B, ROW_WIDTH]`` on the device: ``host`` (int64 ``[pools, B, ROW_WIDTH]``,
-        the rows' staged scalars, ``kernels.staged_ring``) copied in with one staged copy; each pool's
-        view stays the same object for the same shape."""
-        G, B, _ = host.shape
-        if G > self._scalars.shape[0] or B > self._scalars.shape[1]:
+    def stage_rows(self, pools: int, B: int) -> np.ndarray:
+        """int64 ``[pools, B, ROW_WIDTH]`` host memory to fill with the rows' staged scalars
+        (``kernels.staged_ring``): on CUDA a claim of the kept pinned arena itself, so the copy
+        :meth:`push_rows` makes reads it where it was written. No other claim until that push."""
+        if pools > self._scalars.shape[0] or B > self._scalars.shape[1]:
             cap = max(B, 2 * self._scalars.shape[1], 8)
-            self._scalars = torch.zeros((max(G, self._scalars.shape[0]), cap, ROW_WIDTH), dtype=torch.int64,
+            self._scalars = torch.zeros((max(pools, self._scalars.shape[0]), cap, ROW_WIDTH), dtype=torch.int64,
                                         device=self.device)
             self._scalar_views = {}
-        if B:
-            self._scalars[:G, :B].copy_(staged(host, self.device, self._stager), non_blocking=True)
-        views = self._scalar_views.get((G, B))
+        host, tensor = self._stager.claim(pools * B * ROW_WIDTH)
+        self._staged_rows = (pools, B, tensor)
+        return host.reshape(pools, B, ROW_WIDTH)
+
+    def push_rows(self) -> list[torch.Tensor]:
+        """The rows staged by the last :meth:`stage_rows` on the device, with one copy: per pool an int64
+        ``[B, ROW_WIDTH]`` view, the same object for the same shape."""
+        assert self._staged_rows is not None, "push_rows without stage_rows"
+        pools, B, tensor = self._staged_rows
+        self._staged_rows = None
+        views = self._scalar_views.get((pools, B))
         if views is None:
-            views = self._scalar_views[(G, B)] = [self._scalars[g, :B] for g in range(G)]
-        return views
+            views = self._scalar_views[(pools, B)] = [self._scalars[:pools, :B], *(self._scalars[g, :B]
+                                                                                   for g in range(pools))]
+        if B:
+            views[0].copy_(tensor.view(pools, B, ROW_WIDTH), non_blocking=True)
+        return views[1:]
 
     def _copy_in(self, buffer: torch.Tensor, values: list[int]) -> None:
         if not values:
