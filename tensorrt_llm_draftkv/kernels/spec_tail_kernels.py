@@ -391,9 +391,12 @@ def ring_launch_size(B: int, out_w: int, block: Optional[int], num_warps: Option
 
 
 def ring_launch(
-    tensors: tuple[torch.Tensor, ...], out: PagedLatentPrep, kw: dict, block: Optional[int], num_warps: Optional[int]
+    tensors: tuple[torch.Tensor, ...], out: PagedLatentPrep, kw: dict, block: Optional[int], num_warps: Optional[int],
+    *, staged: bool = False, write_ctx: bool = False,
 ) -> tuple[tuple[int, int], tuple, dict]:
-    """``(grid, args, constexprs)`` of the ring form's launch over checked arguments (``B > 0``)."""
+    """``(grid, args, constexprs)`` of the ring form's launch over checked arguments (``B > 0``). ``staged``,
+    ``write_ctx``: its host-staged form (``staged_ring.py``), whose tensors name the staged scalars in
+    every per-row and per-slot place (``slot_ctx_len`` in the length's place when it is written)."""
     tables = tensors[0]
     C = tables.shape[1]
     B = tensors[2].shape[0]
@@ -405,12 +408,7 @@ def ring_launch(
         out.shift, C, kw["max_ctx"], kw["block_size"], kw["max_new"], tables.stride(0), tables.stride(1),
         out.read_rows.stride(0), kw["read_window"] or 0, out_w,
     )
-    return (B, max(1, -(-out_w // blk))), args, ring_meta(kw, blk, warps)
-
-
-def ring_meta(kw: dict, blk: int, warps: int, *, staged: bool = False, write_ctx: bool = False) -> dict:
-    """The ring body's constexprs and warps (``staged``, ``write_ctx``: its host-staged form, ``staged_ring.py``)."""
-    return dict(
+    meta = dict(
         P=kw["tokens_per_block"],
         BLOCK=blk,
         QBLOCK=next_pow2(max(kw["block_size"], 1)),
@@ -420,6 +418,7 @@ def ring_meta(kw: dict, blk: int, warps: int, *, staged: bool = False, write_ctx
         WRITE_CTX=write_ctx,
         num_warps=warps,
     )
+    return (B, max(1, -(-out_w // blk))), args, meta
 
 
 def _launch_prepare(

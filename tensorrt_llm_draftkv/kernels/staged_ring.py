@@ -109,23 +109,14 @@ def staged_launch(
     pages: torch.Tensor, row_scalars: torch.Tensor, slot_ctx_len: Optional[torch.Tensor], out: PagedLatentPrep,
     kw: dict, block: Optional[int], num_warps: Optional[int],
 ) -> tuple[tuple[int, int], tuple, dict]:
-    """``(grid, args, constexprs)`` of a staged launch over checked arguments (``B > 0``)."""
-    from .spec_tail_kernels import ring_launch_size, ring_meta
+    """``(grid, args, constexprs)`` of a staged launch over checked arguments (``B > 0``): the ring form's
+    launch, the staged scalars in every per-row and per-slot place, ``slot_ctx_len`` written if given."""
+    from .spec_tail_kernels import ring_launch
 
-    C = pages.shape[1]
-    B = row_scalars.shape[0]
-    out_w = out.read_rows.shape[1]
-    blk, warps = ring_launch_size(B, out_w, block, num_warps, pages.device.type == "cuda")
     s = row_scalars
     ctx = slot_ctx_len if slot_ctx_len is not None else s
-    args = (
-        pages, s, s, s, s, ctx, s, s,
-        out.read_rows, out.read_lens, out.query_pos, out.store_pages, out.store_offsets, out.new_ctx_len,
-        out.shift, C, kw["max_ctx"], kw["block_size"], kw["max_new"], pages.stride(0), pages.stride(1),
-        out.read_rows.stride(0), kw["read_window"] or 0, out_w,
-    )
-    meta = ring_meta(kw, blk, warps, staged=True, write_ctx=slot_ctx_len is not None)
-    return (B, max(1, -(-out_w // blk))), args, meta
+    return ring_launch((pages, s, s, s, s, ctx, s, s), out, kw, block, num_warps, staged=True,
+                       write_ctx=slot_ctx_len is not None)
 
 
 def prepare_ring_staged(

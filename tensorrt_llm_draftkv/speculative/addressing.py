@@ -404,8 +404,7 @@ def prepare_generation(
                     table_first=r.first, max_ctx=slots.store_limit(), impl=impl, read_window=window, **kw,
                 ))
                 continue
-            width = window_read_width(window, slots.tokens_per_block) if window is not None else r.pages.shape[1]
-            out = buffers.out(g, len(counts), width, block_size, max_new)
+            out = _ring_out(buffers, g, len(counts), window, r.pages, slots.tokens_per_block, kw)
             preps.append(buffers.ring_step(g, r, slot_ids, slots.ctx_len, slots.base_pages, n_t, out, impl=impl,
                                            max_ctx=slots.store_limit(), read_window=window, **kw))
             continue
@@ -417,6 +416,13 @@ def prepare_generation(
         slots.ctx_len.index_copy_(0, slot_ids, preps[0].new_ctx_len)
     slots.advance_hosts(new_host, consumed)
     return preps
+
+
+def _ring_out(buffers: StepBuffers, pool: int, B: int, window: Optional[int], pages: torch.Tensor,
+              tokens_per_block: int, kw: dict) -> PagedLatentPrep:
+    """Pool ``pool``'s kept outputs for a ring-form step: rows as wide as the window bounds them, else the ring."""
+    width = window_read_width(window, tokens_per_block) if window is not None else pages.shape[1]
+    return buffers.out(pool, B, width, kw["block_size"], kw["max_new"])
 
 
 def _all_staged(tables: Sequence[StepTables]) -> bool:
@@ -453,8 +459,7 @@ def _staged_steps(
     preps = []
     for g, (bt, window) in enumerate(zip(tables, windows)):
         pages = bt.ring.pages
-        width = window_read_width(window, slots.tokens_per_block) if window is not None else pages.shape[1]
-        out = buffers.out(g, B, width, kw["block_size"], kw["max_new"])
+        out = _ring_out(buffers, g, B, window, pages, slots.tokens_per_block, kw)
         preps.append(buffers.staged_step(g, pages, scalars[g], slots.ctx_len if g == 0 else None, out, impl=impl,
                                          max_ctx=slots.store_limit(), read_window=window, **kw))
     return preps
