@@ -86,18 +86,21 @@ def test_the_staged_scatter_with_a_dense_part_packs_exactly_on_the_cpu(n, m):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("n, m", [(1, 0), (7, 4), (300, 64), (0, 5)])
-def test_host_scatter_reads_a_pinned_claim_in_place_cuda(n, m):
+def test_a_staged_scatter_from_a_pinned_claim_cuda(n, m, in_place):
+    """Read in place (one `host_scatter` launch) or, with the reads turned off, copied and scattered:
+    the same entries either way."""
     rng = np.random.default_rng(n + m)
     flat, values, words = _case(rng, 4096, n, m)
     stager = PinnedStager("cuda", capacity=4096)
-    stager.reads_in_place = None  # try the in-place reads (off by default until run on a GPU)
+    stager.reads_in_place = None if in_place else False  # whatever DRAFTKV_HOST_READS says
     memory = torch.full((4096,), -77, dtype=torch.int32, device="cuda")
     dense = torch.full((m + 2,), -5, dtype=torch.int64, device="cuda")
     before = LAUNCH_COUNTS["host_scatter"]
     scatter_int32_staged(memory, flat, values, stager, (dense[:m], words))
     torch.cuda.synchronize()
-    assert stager.reads_in_place is True and LAUNCH_COUNTS["host_scatter"] == before + 1
+    assert stager.reads_in_place is in_place and LAUNCH_COUNTS["host_scatter"] == before + in_place
     want = np.full(4096, -77, dtype=np.int32)
     want[flat] = values
     assert np.array_equal(memory.cpu().numpy(), want)
@@ -120,8 +123,10 @@ def test_in_place_reads_never_see_a_claim_written_again_cuda():
     assert torch.equal(memory.cpu(), (torch.arange(40 * 12) * 7 + 1).to(torch.int32))
 
 
-def test_in_place_reads_are_off_unless_asked_for(monkeypatch):
+def test_in_place_reads_are_on_unless_turned_off(monkeypatch):
     monkeypatch.delenv("DRAFTKV_HOST_READS", raising=False)
+    assert PinnedStager("cpu").reads_in_place is None  # tried at the first staged scatter
+    monkeypatch.setenv("DRAFTKV_HOST_READS", "0")
     assert PinnedStager("cpu").reads_in_place is False
     monkeypatch.setenv("DRAFTKV_HOST_READS", "1")
     assert PinnedStager("cpu").reads_in_place is None
