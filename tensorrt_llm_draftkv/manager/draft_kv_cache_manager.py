@@ -114,6 +114,9 @@ class DraftKVCacheManagerV2(KVCacheManagerV2):
         return contextlib.nullcontext(batch)
 
     def prepare_resources(self, scheduled_batch: ScheduledRequests) -> None:
+        if not scheduled_batch.context_requests:  # a generation step: no context to enter (every step pays it)
+            super().prepare_resources(scheduled_batch)
+            return
         with self._draft_request_context(scheduled_batch):
             super().prepare_resources(scheduled_batch)
 

@@ -5,6 +5,7 @@ history plus the space for the step's input above it (its *headroom*).
 """
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any, Iterable, List, Optional, Sequence, Union
 
 from ..bindings import CacheType, DataType
@@ -23,6 +24,12 @@ from .prefix_reuse import PrefixReuse
 from .request_caches import RequestCaches
 from .scheduler_contract import SchedulerContract
 from .upstream_accessors import UpstreamAccessors
+
+
+_REQUEST_ID = attrgetter("py_request_id")
+_NUM_TOKENS = attrgetter("max_beam_num_tokens")
+_HISTORY = attrgetter("history_length")
+_CAPACITY = attrgetter("capacity")
 
 
 class KVCacheManagerV2(SchedulerContract, UpstreamAccessors, OffsetCalls):
@@ -368,7 +375,7 @@ class KVCacheManagerV2(SchedulerContract, UpstreamAccessors, OffsetCalls):
         if not batch.context_requests and not self._suspended:
             # The usual step, generation only: one lookup gives the caches (None when one is missing),
             # then one checked pass (which refuses a request named twice); the path below names either.
-            caches = self.caches.lookup([r.py_request_id for r in gen])
+            caches = self.caches.lookup(list(map(_REQUEST_ID, gen)))
             if caches is not None and self._resize_known_to_fit(gen, self.sizing_rules.generation_sizes(gen), caches):
                 self.last_prepared_batch = batch
                 return
@@ -503,12 +510,13 @@ class KVCacheManagerV2(SchedulerContract, UpstreamAccessors, OffsetCalls):
         live, suspended = self.caches, self._suspended  # `is_request_active`, once per request
         # (`generated_tokens(r) >= 1` inlined: this runs for every request of every step)
         reqs = [r for r in scheduled_batch.all_requests() if r.max_beam_num_tokens > r.prompt_len and not r.is_dummy]
-        caches = None if suspended else live.lookup([r.py_request_id for r in reqs])  # usually every one is live
+        caches = None if suspended else live.lookup(list(map(_REQUEST_ID, reqs)))  # usually every one is live
         if caches is None:
             reqs = [r for r in reqs if r.py_request_id in live and r.py_request_id not in suspended]
             caches = [live[r.py_request_id] for r in reqs]
-        sizes = rules.after_step_sizes([r.max_beam_num_tokens for r in reqs], [c.history_length for c in caches],
-                                       [c.capacity for c in caches], self.after_step_headroom)
+        # C-level maps, not comprehensions: at small batches each comprehension's frame is a fixed cost
+        sizes = rules.after_step_sizes(list(map(_NUM_TOKENS, reqs)), list(map(_HISTORY, caches)),
+                                       list(map(_CAPACITY, caches)), self.after_step_headroom)
         if not self._resize_known_to_fit(reqs, sizes, caches):
             # Each size depends on its own cache only, untouched until its turn: the same sizes hold.
             with self.caches.transaction(r.py_request_id for r in reqs):

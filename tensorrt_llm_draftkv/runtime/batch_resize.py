@@ -19,6 +19,9 @@ from .resize_plan import ResizePlan
 from .layer_group import LayerGroup
 
 
+_ONE_SLOT = (0,)  # one group, one pool: its balance is slot 0
+
+
 def plain_pools(groups: Sequence[LayerGroup]) -> bool:
     """Can a resize over these groups only fail by a short pool? True when no pool has block reuse
     (releases would park, allocations evict) or listeners (which might raise mid-batch)."""
@@ -66,14 +69,22 @@ def _check_in_order(
     move: the usual step, answered from `KVCache.cursor_range` without building a plan. `one_page`:
     a one-group cache's page crossing is answered as `KVCache.one_page_step`'s 1 or -1 instead of a
     plan (the step where every request crosses a page then builds no plan at all)."""
-    if len({id(c) for c in caches}) != len(caches) or not plain_pools(groups):
+    if len(set(map(id, caches))) != len(caches):
         return None
-    # Groups may share one pool: one balance (free pages left) per distinct pool, by slot.
-    slots: dict[int, int] = {}
-    slot_of = [slots.setdefault(id(g.pool), len(slots)) for g in groups]
-    balance = [0] * len(slots)
-    for slot, group in zip(slot_of, groups):
-        balance[slot] = group.pool.num_free
+    if len(groups) == 1:  # the usual draft pool: `plain_pools` and the balances below, for one pool
+        pool = groups[0].pool
+        if pool.prefix is not None or pool.listeners:
+            return None
+        slot_of, balance = _ONE_SLOT, [pool.num_free]
+    else:
+        if not plain_pools(groups):
+            return None
+        # Groups may share one pool: one balance (free pages left) per distinct pool, by slot.
+        slots: dict[int, int] = {}
+        slot_of = [slots.setdefault(id(g.pool), len(slots)) for g in groups]
+        balance = [0] * len(slots)
+        for slot, group in zip(slot_of, groups):
+            balance[slot] = group.pool.num_free
     checked: list[tuple[int, int, ResizePlan | None]] = []
     append = checked.append
     for cache, (capacity, history) in zip(caches, sizes):
