@@ -196,7 +196,9 @@ def main() -> None:
     print(f"{'manager':<17} {'B':>5} {'prompt':>8} {'us/req/step':>12}")
     for kind in ("draft", "target-windowed"):
         for batch in batches:
-            us = step_us(kind, batch, 131072, manager_steps)
+            # at least 4,096 request-steps a point: a B 8 run of 64 steps lasts about a millisecond, too
+            # short to time steadily
+            us = step_us(kind, batch, 131072, max(manager_steps, (4096 if not args.quick else 256) // batch))
             results["batch_sweep"].append({"manager": kind, "B": batch, "prompt": 131072, "us_per_req": us})
             print(f"{kind:<17} {batch:>5} {131072:>8} {us:>12.1f}", flush=True)
         for prompt in prompts:
