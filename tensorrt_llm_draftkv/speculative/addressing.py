@@ -299,7 +299,7 @@ def generation_counts(num_new: Sequence[int] | Mapping[int, int] | None, request
     """Accepted tokens per row (row order) from a sequence, a mapping request id -> count, or None."""
     if num_new is None:
         return [0] * len(request_ids)
-    if isinstance(num_new, Mapping):
+    if type(num_new) is not list and isinstance(num_new, Mapping):  # a list (the usual step) skips the ABC check
         unknown = [rid for rid in num_new if rid not in set(request_ids)]
         if unknown:
             raise KeyError(

@@ -61,6 +61,9 @@ def _check_args(max_batch_size: int, block_size: int, tokens_per_block: int, max
         )
 
 
+_CAPACITY = operator.attrgetter("capacity")
+
+
 class DFlashDraftSlots:
     """Slots, bases, and the per-step addressing of a DFlash drafter (see the module docstring)."""
 
@@ -315,7 +318,7 @@ class DFlashDraftSlots:
         if dm is None:
             return None
         try:
-            return [cache.capacity for cache in dm.get_caches(self.request_ids)]
+            return list(map(_CAPACITY, dm.get_caches(self.request_ids)))
         except KeyError:
             return None
 
