@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from .kv_cache import KVCache
 from .resize_plan import ResizePlan
 from .layer_group import LayerGroup
+from .page_pool import PagePool
 
 
 _ONE_SLOT = (0,)  # one group, one pool: its balance is slot 0
@@ -25,7 +26,12 @@ _ONE_SLOT = (0,)  # one group, one pool: its balance is slot 0
 def plain_pools(groups: Sequence[LayerGroup]) -> bool:
     """Can a resize over these groups only fail by a short pool? True when no pool has block reuse
     (releases would park, allocations evict) or listeners (which might raise mid-batch)."""
-    return all(g.pool.prefix is None and not g.pool.listeners for g in groups)
+    return all(_plain(g.pool) for g in groups)
+
+
+def _plain(pool: PagePool) -> bool:
+    """No block reuse and no listeners: `plain_pools` for one pool."""
+    return pool.prefix is None and not pool.listeners
 
 
 def plan_in_order(
@@ -73,7 +79,7 @@ def _check_in_order(
         return None
     if len(groups) == 1:  # the usual draft pool: `plain_pools` and the balances below, for one pool
         pool = groups[0].pool
-        if pool.prefix is not None or pool.listeners:
+        if not _plain(pool):
             return None
         slot_of, balance = _ONE_SLOT, [pool.num_free]
     else:
